@@ -1,0 +1,65 @@
+# gear: `make demo` and `make test` set up everything they need (.venv/).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NVCC ?= $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CU_SOURCES := $(wildcard kernels/*.cu)
+CUBINS := $(patsubst kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
+# Source-tree imports for machines without the venv (the GPU machine):
+# gear_kernels is the installed name of kernels/.
+SRC_PATH := .build/py
+GPU_ENV := PYTHONPATH=$(CURDIR):$(CURDIR)/$(SRC_PATH) PYTHONUNBUFFERED=1
+
+.PHONY: install test test-gpu demo bench bench-gpu bench-reverb serve proto proto-check lint kernels-build srcpath clean install-service
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Compile every CUDA source for sm_90 so a kernel that does not build fails here.
+kernels-build: $(CUBINS)
+
+.build/cubin/%.cubin: kernels/%.cu $(wildcard kernels/*.cuh)
+	@mkdir -p $(dir $@)
+	@if [ -z "$(NVCC)" ]; then echo "nvcc not found: cannot check $<" >&2; exit 1; fi
+	$(NVCC) -arch=sm_90 --cubin -Ikernels -o $@ $<
+
+proto: install
+	$(VPY) tools/gen_protos.py
+
+proto-check: install
+	$(VPY) tools/gen_protos.py --check
+
+lint: install
+	$(VPY) -m ruff check .
+
+test: install kernels-build proto-check lint
+	$(VPY) -m pytest -q -m "not gpu and not rdma"
+
+srcpath:
+	@mkdir -p $(SRC_PATH) && ln -sfn ../../kernels $(SRC_PATH)/gear_kernels
+
+# On the GPU machine: system python3 with cupy, run from the source tree.
+test-gpu: srcpath
+	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
+
+bench-gpu: srcpath
+	$(GPU_ENV) $(PYTHON) bench/bench_gpu.py
+
+demo: install
+	$(VPY) examples/demo.py
+
+bench: install
+	$(VPY) bench/bench_core.py
+
+serve: install
+	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml
+
+clean:
+	rm -rf .build $(VENV) .pytest_cache
