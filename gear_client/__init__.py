@@ -1,3 +1,53 @@
-"""gear client: `import gear_client as reverb` for code written against Reverb."""
+"""gear client: `import gear_client as reverb` for code written against Reverb.
+
+The public names are Reverb's (see docs/REVERB_COMPAT.md). They are imported
+on first use, so ``import gear_client`` stays light and never fails because an
+optional part (datasets, structured writer) is missing from a build.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# public name -> (module, attribute or None for the module itself)
+_EXPORTS: dict[str, tuple[str, str | None]] = {
+    "Server": ("gear_client.server", "Server"),
+    "Table": ("gear_client.server", "Table"),
+    "TableInfo": ("gear_client.server", "TableInfo"),
+    "Client": ("gear_client.client", "Client"),
+    "Writer": ("gear_client.writer", "Writer"),
+    "TrajectoryWriter": ("gear_client.trajectory_writer", "TrajectoryWriter"),
+    "TrajectoryColumn": ("gear_client.trajectory_writer", "TrajectoryColumn"),
+    "ReplaySample": ("gear_client.replay_sample", "ReplaySample"),
+    "SampleInfo": ("gear_client.replay_sample", "SampleInfo"),
+    "TrajectoryDataset": ("gear_client.datasets", "TrajectoryDataset"),
+    "TimestepDataset": ("gear_client.datasets", "TimestepDataset"),
+    "ReverbError": ("gear_client.errors", "ReverbError"),
+    "DeadlineExceededError": ("gear_client.errors", "DeadlineExceededError"),
+    "selectors": ("gear_client.selectors", None),
+    "item_selectors": ("gear_client.selectors", None),
+    "rate_limiters": ("gear_client.rate_limiters", None),
+    "structured": ("gear_client.structured", None),
+    "checkpointers": ("gear_client.checkpointers", None),
+    "errors": ("gear_client.errors", None),
+}
+
+__all__ = sorted(name for name in _EXPORTS if name != "item_selectors")
+
+
+def __getattr__(name: str) -> Any:
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'gear_client' has no attribute {name!r}")
+    module_name, attribute = target
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -17,8 +17,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 OUT_DIR = ROOT / "gear_client" / "_proto"
-# (proto path relative to protos/, module stem in gear_client/_proto/)
-PROTOS = [("gear/v1/replay.proto", "replay")]
+# (proto path relative to protos/, module stem in gear_client/_proto/). The
+# grpc/ protos are the standard health and reflection services (gear_server/health.py);
+# the two reflection versions share a file name, hence the explicit stems.
+PROTOS = [
+    ("gear/v1/replay.proto", "replay"),
+    ("grpc/health/v1/health.proto", "health"),
+    ("grpc/reflection/v1/reflection.proto", "reflection_v1"),
+    ("grpc/reflection/v1alpha/reflection.proto", "reflection_v1alpha"),
+]
 
 
 def _generate(dest: Path) -> list[Path]:
@@ -35,11 +42,12 @@ def _generate(dest: Path) -> list[Path]:
         for rel, stem in PROTOS:
             src_dir = Path(tmp) / Path(rel).parent
             for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
-                text = (src_dir / f"{stem}{suffix}").read_text()
+                text = (src_dir / f"{Path(rel).stem}{suffix}").read_text()
                 # Absolute imports of sibling generated modules become relative.
                 for other_rel, other_stem in PROTOS:
                     other_pkg = ".".join(Path(other_rel).parent.parts)
-                    text = text.replace(f"from {other_pkg} import {other_stem}_pb2", f"from . import {other_stem}_pb2")
+                    text = text.replace(f"from {other_pkg} import {Path(other_rel).stem}_pb2 ",
+                                        f"from . import {other_stem}_pb2 ")
                 target = dest / f"{stem}{suffix}"
                 target.write_text(text)
                 written.append(target)

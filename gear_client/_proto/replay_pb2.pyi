@@ -333,6 +333,24 @@ class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RateLimiterCheckRequest(_message.Message):
+    __slots__ = ("table", "num_samples", "num_inserts")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_INSERTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    num_samples: int
+    num_inserts: int
+    def __init__(self, table: _Optional[str] = ..., num_samples: _Optional[int] = ..., num_inserts: _Optional[int] = ...) -> None: ...
+
+class RateLimiterCheckResponse(_message.Message):
+    __slots__ = ("can_sample", "can_insert")
+    CAN_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    CAN_INSERT_FIELD_NUMBER: _ClassVar[int]
+    can_sample: bool
+    can_insert: bool
+    def __init__(self, can_sample: _Optional[bool] = ..., can_insert: _Optional[bool] = ...) -> None: ...
+
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -358,7 +376,7 @@ class CheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class RdmaEndpoint(_message.Message):
-    __slots__ = ("device", "port", "link_layer", "lid", "gid", "gid_index", "mtu", "qp_nums", "psns")
+    __slots__ = ("device", "port", "link_layer", "lid", "gid", "gid_index", "mtu", "qp_nums", "psns", "max_rd_atomic", "max_msg_size")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     LINK_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +386,8 @@ class RdmaEndpoint(_message.Message):
     MTU_FIELD_NUMBER: _ClassVar[int]
     QP_NUMS_FIELD_NUMBER: _ClassVar[int]
     PSNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RD_ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    MAX_MSG_SIZE_FIELD_NUMBER: _ClassVar[int]
     device: str
     port: int
     link_layer: str
@@ -377,7 +397,9 @@ class RdmaEndpoint(_message.Message):
     mtu: int
     qp_nums: _containers.RepeatedScalarFieldContainer[int]
     psns: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, device: _Optional[str] = ..., port: _Optional[int] = ..., link_layer: _Optional[str] = ..., lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., gid_index: _Optional[int] = ..., mtu: _Optional[int] = ..., qp_nums: _Optional[_Iterable[int]] = ..., psns: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_rd_atomic: int
+    max_msg_size: int
+    def __init__(self, device: _Optional[str] = ..., port: _Optional[int] = ..., link_layer: _Optional[str] = ..., lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., gid_index: _Optional[int] = ..., mtu: _Optional[int] = ..., qp_nums: _Optional[_Iterable[int]] = ..., psns: _Optional[_Iterable[int]] = ..., max_rd_atomic: _Optional[int] = ..., max_msg_size: _Optional[int] = ...) -> None: ...
 
 class DataPlaneOffer(_message.Message):
     __slots__ = ("shm", "host_id", "rdma", "inline")
@@ -448,18 +470,22 @@ class OpenDataPlaneRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., offer: _Optional[_Union[DataPlaneOffer, _Mapping]] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("session_id", "kind", "layout", "rdma", "region")
+    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: str
     layout: TableLayout
     rdma: RdmaEndpoint
     region: RdmaRegion
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ...) -> None: ...
+    lease_timeout_ms: int
+    session_idle_timeout_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ItemRef(_message.Message):
     __slots__ = ("slot", "generation", "lengths")
@@ -502,8 +528,10 @@ class ReleaseRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("stale_lease_ids",)
+    STALE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    stale_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stale_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseDataPlaneRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -61,6 +61,11 @@ class ReplayServiceStub:
                 request_serializer=gear_dot_v1_dot_replay__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=gear_dot_v1_dot_replay__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.CheckRateLimiter = channel.unary_unary(
+                '/gear.v1.ReplayService/CheckRateLimiter',
+                request_serializer=gear_dot_v1_dot_replay__pb2.RateLimiterCheckRequest.SerializeToString,
+                response_deserializer=gear_dot_v1_dot_replay__pb2.RateLimiterCheckResponse.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/gear.v1.ReplayService/Checkpoint',
                 request_serializer=gear_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
@@ -118,6 +123,12 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ServerInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckRateLimiter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,6 +192,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=gear_dot_v1_dot_replay__pb2.ServerInfoRequest.FromString,
                     response_serializer=gear_dot_v1_dot_replay__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'CheckRateLimiter': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckRateLimiter,
+                    request_deserializer=gear_dot_v1_dot_replay__pb2.RateLimiterCheckRequest.FromString,
+                    response_serializer=gear_dot_v1_dot_replay__pb2.RateLimiterCheckResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -345,6 +361,33 @@ class ReplayService:
             '/gear.v1.ReplayService/ServerInfo',
             gear_dot_v1_dot_replay__pb2.ServerInfoRequest.SerializeToString,
             gear_dot_v1_dot_replay__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckRateLimiter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gear.v1.ReplayService/CheckRateLimiter',
+            gear_dot_v1_dot_replay__pb2.RateLimiterCheckRequest.SerializeToString,
+            gear_dot_v1_dot_replay__pb2.RateLimiterCheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

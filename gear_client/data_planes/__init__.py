@@ -1,0 +1,15 @@
+"""Learner data planes: how sampled items' bytes reach a learner.
+
+The learner negotiates over gRPC (``negotiation``) the best plane it shares with
+the daemon: ``shm`` (same host: the table segment mapped read-only, gathered by
+NumPy or the GPU kernel), ``rdma`` (another host: one-sided RDMA READs through
+pyverbs, ``verbs`` being the only module that imports it) or ``inline`` (bytes in
+gRPC messages). ``PlaneSampler`` does all of it for one table; the datasets and
+``Client.sample`` use it.
+"""
+
+from gear_client.data_planes.batch import SampledBatch
+from gear_client.data_planes.negotiation import INLINE, PLANES, RDMA, SHM, local_host_id
+from gear_client.data_planes.sampler import PlaneSampler, StaleBatchError
+
+__all__ = ["INLINE", "PLANES", "RDMA", "SHM", "PlaneSampler", "SampledBatch", "StaleBatchError", "local_host_id"]

@@ -1,0 +1,122 @@
+"""A sampled batch as every data plane delivers it, and the buffers batches live in.
+
+A batch holds, per column, one ``[batch, steps, *shape]`` array (``[batch, *shape]``
+for squeezed columns) padded with zeros past each item's length, the per-item,
+per-column valid lengths and the SampleInfo fields as arrays. The arrays are NumPy
+on the CPU, or device arrays (CuPy) when the batch was gathered on a GPU; both
+export DLPack for PyTorch and JAX without a copy.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gear_client import nest
+from gear_client._proto import replay_pb2 as pb
+from gear_client.data_planes.range_planning import BatchLayout
+from gear_client.layout import TableLayout
+from gear_client.replay_sample import ReplaySample, SampleInfo
+
+
+@dataclass
+class SampledBatch:
+    """``batch_size`` items sampled together (see module docstring)."""
+
+    keys: np.ndarray  # uint64 [B]
+    probabilities: np.ndarray  # float64 [B]
+    table_sizes: np.ndarray  # int64 [B]
+    priorities: np.ndarray  # float64 [B]
+    times_sampled: np.ndarray  # int32 [B]
+    columns: list[Any]  # per column: [B, T, *shape] or [B, *shape] (squeezed)
+    lengths: np.ndarray  # int32 [B, C]: valid steps of each item in each column
+    structure: pb.Structure
+    squeeze: tuple[bool, ...]
+    plane: str = ""
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def info(self) -> SampleInfo:
+        """SampleInfo whose fields are arrays over the batch (as Reverb's datasets give them)."""
+        return SampleInfo(self.keys, self.probabilities, self.table_sizes, self.priorities, self.times_sampled)
+
+    @property
+    def data(self) -> Any:
+        """The columns arranged as the item structure (dicts, tuples, namedtuples...)."""
+        return nest.unflatten(self.structure, self.columns)
+
+    def sample(self) -> ReplaySample:
+        return ReplaySample(self.info, self.data)
+
+    def item_infos(self) -> list[SampleInfo]:
+        return [SampleInfo(*row) for row in zip(self.keys.tolist(), self.probabilities.tolist(),
+                                                self.table_sizes.tolist(), self.priorities.tolist(),
+                                                self.times_sampled.tolist(), strict=True)]
+
+    def item_columns(self, i: int) -> list[Any]:
+        """Item i's leaves, each cut to the item's own length (``[*shape]`` for squeezed columns)."""
+        lengths = self.lengths[i].tolist()
+        return [col[i] if self.squeeze[c] else col[i, :lengths[c]] for c, col in enumerate(self.columns)]
+
+    def items(self) -> list[ReplaySample]:
+        """One ReplaySample per item (its own length, data in the item structure)."""
+        return [ReplaySample(info, nest.unflatten(self.structure, self.item_columns(i)))
+                for i, info in enumerate(self.item_infos())]
+
+
+def info_arrays(infos) -> tuple[np.ndarray, ...]:
+    """SampleInfo protos -> (keys, probabilities, table_sizes, priorities, times_sampled) arrays."""
+    n = len(infos)
+    keys = np.fromiter((i.key for i in infos), np.uint64, n)
+    probabilities = np.fromiter((i.probability for i in infos), np.float64, n)
+    table_sizes = np.fromiter((i.table_size for i in infos), np.int64, n)
+    priorities = np.fromiter((i.priority for i in infos), np.float64, n)
+    times_sampled = np.fromiter((i.times_sampled for i in infos), np.int32, n)
+    return keys, probabilities, table_sizes, priorities, times_sampled
+
+
+def column_arrays(buffer: Any, layout: TableLayout, batch: BatchLayout, n: int, xp=np) -> list[Any]:
+    """Per-column views of a batch buffer (uint8, 1-D; NumPy or CuPy) for the first ``n`` items."""
+    out = []
+    for col, dst in zip(layout.columns, batch.columns, strict=True):
+        size = n * dst.item_bytes
+        flat = buffer[dst.offset:dst.offset + size].view(col.dtype)
+        shape = (n, *col.shape) if col.squeeze else (n, dst.steps, *col.shape)
+        out.append(flat.reshape(shape))
+    return out
+
+
+class BufferPool:
+    """Reuses batch buffers once nothing outside the pool refers to them.
+
+    Fresh buffers cost page faults on first touch (about half the copy speed);
+    a learner that drops each batch before the next keeps reusing a few buffers.
+    A buffer still referenced (by the user's arrays, through their ``.base``) is
+    never handed out again.
+    """
+
+    def __init__(self, allocate=None, max_buffers: int = 8):
+        self._allocate = allocate or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
+        self._buffers: list[Any] = []
+        self.max_buffers = max_buffers
+
+    def get(self, nbytes: int) -> Any:
+        for i, buf in enumerate(self._buffers):
+            # references: the list, `buf`, getrefcount's argument
+            if buf.nbytes >= nbytes and sys.getrefcount(buf) <= 3:
+                del self._buffers[i]
+                self._buffers.append(buf)
+                return buf
+        buf = self._allocate(nbytes)
+        self._buffers.append(buf)
+        if len(self._buffers) > self.max_buffers:
+            del self._buffers[0]  # forgotten by the pool; freed when the user drops it
+        return buf
+
+    def clear(self) -> None:
+        self._buffers.clear()

@@ -1,0 +1,307 @@
+"""PlaneSampler: a learner's batches from one table over the best plane it can negotiate.
+
+It opens a data-plane session (offering shm, rdma and inline as allowed and
+available), then for each batch selects items, moves their bytes over the plane
+and releases the lease. It recovers by itself from what happens in a long run:
+
+* the plane fails to come up (segment not openable, RDMA connection refused):
+  the session is closed and the next best plane negotiated;
+* the table's layout changed (first item, or growth): re-open, select again;
+* the session was reaped (learner idle past the daemon's timeout): re-open;
+* a lease came back stale (expired while reading, or a slot rewritten): the
+  batch is dropped and selected again, so a torn item never reaches the learner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import grpc
+
+from gear_client import errors
+from gear_client._proto import replay_pb2 as pb
+from gear_client._proto import replay_pb2_grpc as pb_grpc
+from gear_client.data_planes import negotiation
+from gear_client.data_planes.batch import SampledBatch
+from gear_client.data_planes.range_planning import WindowSpec
+from gear_client.data_planes.session import PlaneSession
+from gear_client.layout import TableLayout
+
+log = logging.getLogger(__name__)
+
+MAX_STALE_RETRIES = 32
+MAX_REOPENS = 8  # re-negotiations for one batch before giving up
+_STALE = object()
+_REOPENED = object()
+
+
+class StaleBatchError(RuntimeError):
+    """Every attempt at a batch came back stale (the learner is too slow for the lease timeout)."""
+
+
+class SamplerClosedError(RuntimeError):
+    """The sampler was closed (possibly while a sample waited)."""
+
+
+def connect(target: Any) -> tuple[Any, Any, Any]:
+    """(stub, raw sample call or None, owned channel or None) for a Client, a channel, a stub or an address."""
+    if hasattr(target, "_connect"):  # gear_client.Client
+        _, stub, sample_call = target._connect()
+        return stub, sample_call, None
+    if isinstance(target, str):
+        from gear_client.client import CHANNEL_OPTIONS
+
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return pb_grpc.ReplayServiceStub(channel), _raw_sample_call(channel), channel
+    if isinstance(target, grpc.Channel):
+        return pb_grpc.ReplayServiceStub(target), _raw_sample_call(target), None
+    return target, None, None  # a stub
+
+
+def _raw_sample_call(channel: grpc.Channel):
+    return channel.unary_stream("/gear.v1.ReplayService/Sample",
+                                request_serializer=pb.SampleRequest.SerializeToString, response_deserializer=None)
+
+
+class PlaneSampler:
+    """Batches of one table over the best negotiated plane (see module docstring). Thread safe."""
+
+    def __init__(self, target: Any, table: str, *, planes=None, device: Any = None, rdma_device: str | None = None,
+                 num_qps: int | None = None, metadata=None, host_id: str | None = None,
+                 max_stale_retries: int = MAX_STALE_RETRIES):
+        self.table = table
+        self.planes = negotiation.normalise_planes(planes)
+        self.device = device
+        self.rdma_device = rdma_device
+        self.num_qps = num_qps
+        self.metadata = metadata
+        self.host_id = host_id or negotiation.local_host_id()
+        self.max_stale_retries = max_stale_retries
+        self._stub, self._sample_call, self._channel = connect(target)
+        self._excluded: set[str] = set()
+        self._lock = threading.RLock()
+        self._plane: Any = None
+        self._session: PlaneSession | None = None
+        self._layout: TableLayout | None = None
+        self.stale_batches = 0  # batches dropped because their lease came back stale
+        self.reopens = 0
+        self.closed = False
+
+    # ----------------------------------------------------------------- opening
+    @property
+    def kind(self) -> str | None:
+        """The plane in use ("shm", "rdma", "inline"), or None before the first open."""
+        with self._lock:
+            if self._session is not None:
+                return self._session.kind
+            return self._plane.kind if self._plane is not None else None
+
+    def _allowed(self) -> list[str]:
+        allowed = [p for p in self.planes if p not in self._excluded]
+        if not allowed:
+            raise RuntimeError(f"no data plane left to try for table '{self.table}' (allowed: {list(self.planes)})")
+        return allowed
+
+    def _rdma_connection(self, allowed: list[str]):
+        if negotiation.RDMA not in allowed:
+            return None
+        from gear_client.data_planes import verbs
+
+        port = verbs.probe(self.rdma_device)
+        if port is None:
+            return None
+        from gear_client.data_planes.rdma import DEFAULT_NUM_QPS, VerbsConnection
+
+        try:
+            return VerbsConnection(port, num_qps=self.num_qps or DEFAULT_NUM_QPS)
+        except Exception as exc:  # noqa: BLE001 - a device that cannot give us queue pairs: no rdma
+            log.warning("RDMA device %s unusable, not offering rdma: %s", port.device, exc)
+            return None
+
+    def _open(self) -> None:
+        """Negotiate a plane; falls back plane by plane until one comes up."""
+        while True:
+            allowed = self._allowed()
+            conn = self._rdma_connection(allowed)
+            offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None)
+            try:
+                response = self._stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=self.table, offer=offer),
+                                                    metadata=self.metadata, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                if conn is not None:
+                    conn.close()
+                raise errors.from_rpc_error(exc, "sample") from exc
+            if response.kind != negotiation.RDMA and conn is not None:
+                conn.close()
+                conn = None
+            layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
+            if response.kind == negotiation.INLINE:
+                from gear_client.data_planes.inline import InlinePlane
+
+                self._plane = InlinePlane(self._stub, self.table, layout, sample_call=self._sample_call,
+                                          metadata=self.metadata)
+                self._session, self._layout = None, layout
+                return
+            session = PlaneSession(self._stub, self.table, response, metadata=self.metadata)
+            if layout is None:  # empty table: the first Select tells the layout's version, then re-open
+                self._plane, self._session, self._layout = None, session, None
+                if conn is not None:
+                    conn.close()
+                return
+            try:
+                self._plane = self._build(response, session, layout, conn)
+            except Exception as exc:  # noqa: BLE001 - the plane cannot come up here: next best
+                log.info("%s plane for table '%s' unusable (%s); falling back", response.kind, self.table, exc)
+                session.close()
+                if conn is not None:
+                    conn.close()
+                self._excluded.add(response.kind)
+                continue
+            self._session, self._layout = session, layout
+            return
+
+    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout, conn):
+        if response.kind == negotiation.SHM:
+            from gear_client.data_planes.shm import ShmPlane
+
+            return ShmPlane(session, layout, device=self.device)
+        if response.kind == negotiation.RDMA:
+            from gear_client.data_planes.rdma import RdmaPlane
+
+            if conn is None or not response.HasField("rdma"):
+                raise RuntimeError("the daemon chose rdma without an endpoint")
+            conn.connect(response.rdma)
+            return RdmaPlane(session, layout, response.region, conn)
+        raise RuntimeError(f"the daemon chose an unknown plane {response.kind!r}")
+
+    def _drop_plane(self) -> None:
+        plane, session = self._plane, self._session
+        self._plane = self._session = None
+        if plane is not None:
+            try:
+                plane.close()
+            except Exception:  # noqa: BLE001
+                log.debug("closing plane failed", exc_info=True)
+        if session is not None:
+            session.close()
+
+    def _reopen(self, exclude: str | None = None) -> None:
+        self.reopens += 1
+        if exclude:
+            self._excluded.add(exclude)
+        self._drop_plane()
+        self._open()
+
+    def open(self) -> str:
+        """Negotiate now (sample() does it on first use); returns the plane's kind."""
+        with self._lock:
+            if self.closed:
+                raise SamplerClosedError("this sampler is closed")
+            if self._plane is None and self._session is None:
+                self._open()
+            return self.kind
+
+    # ----------------------------------------------------------------- sampling
+    def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
+        """``num_samples`` items (fewer only when ``timeout`` passes after some were picked), padded per ``window``."""
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        with self._lock:
+            if self.closed:
+                raise SamplerClosedError("this sampler is closed")
+            try:
+                return self._sample_locked(num_samples, window, timeout)
+            except Exception as exc:
+                if self.closed:
+                    raise SamplerClosedError("the sampler was closed while sampling") from exc
+                raise
+
+    def _sample_locked(self, num_samples: int, window: WindowSpec, timeout: float | None) -> SampledBatch:
+        if self._plane is None and self._session is None:
+            self._open()
+        stale = retries = 0
+        while True:
+            if self._session is None:  # inline
+                try:
+                    return self._plane.sample(num_samples, window=window, timeout=timeout)
+                except grpc.RpcError as exc:
+                    raise errors.from_rpc_error(exc, "sample") from exc
+            outcome = self._sample_referenced(num_samples, window, timeout)
+            if outcome is _STALE:
+                stale += 1
+                self.stale_batches += 1
+                if stale > self.max_stale_retries:
+                    raise StaleBatchError(f"{stale} batches in a row from table '{self.table}' came back stale")
+            elif outcome is _REOPENED:
+                retries += 1
+                if retries > MAX_REOPENS:
+                    raise RuntimeError(f"the data plane of table '{self.table}' keeps changing "
+                                       f"({retries} re-negotiations for one batch)")
+            else:
+                return outcome
+
+    def _sample_referenced(self, num_samples: int, window: WindowSpec, timeout: float | None):
+        """One select-read-release round on shm/rdma: a batch, _STALE or _REOPENED."""
+        session = self._session
+        ncols = len(self._layout.columns) if self._layout is not None else None
+        try:
+            selection = session.select(num_samples, ncols, timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:  # session reaped: open a new one
+                self._reopen()
+                return _REOPENED
+            raise errors.from_rpc_error(exc, "sample") from exc
+        if self._plane is None or selection.layout_version != self._layout.version:
+            self._release_quietly(session, selection.lease_id)
+            self._reopen()
+            return _REOPENED
+        try:
+            batch = self._plane.fetch(selection, window)
+        except Exception as exc:  # noqa: BLE001 - the plane broke (RDMA error, unmapped segment): next best
+            if self.closed:
+                raise
+            log.warning("%s plane failed while reading (%s); falling back", self._plane.kind, exc)
+            self._release_quietly(session, selection.lease_id)
+            self._reopen(exclude=self._plane.kind)
+            return _REOPENED
+        try:
+            stale = session.release([selection.lease_id])
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:
+                self._reopen()
+                return _STALE  # the lease ended with the session: the bytes cannot be trusted
+            raise errors.from_rpc_error(exc, "sample") from exc
+        if selection.lease_id in stale:
+            return _STALE
+        return batch
+
+    @staticmethod
+    def _release_quietly(session: PlaneSession, lease_id: int) -> None:
+        try:
+            session.release([lease_id])
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        """End the session (a sample blocked in another thread ends with SamplerClosedError) and free the plane."""
+        if self.closed:
+            return
+        self.closed = True
+        session, plane = self._session, self._plane
+        if session is not None:
+            session.close()  # the daemon ends a Select blocked on this session
+        cancel = getattr(plane, "cancel", None)
+        if cancel is not None:
+            cancel()
+        with self._lock:
+            self._drop_plane()
+            if self._channel is not None:
+                self._channel.close()
+
+    def __enter__(self) -> PlaneSampler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

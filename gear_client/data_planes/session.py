@@ -1,0 +1,82 @@
+"""A learner's data-plane session on the control plane: Select and Release.
+
+``Select`` returns item references (slot, generation, lengths) with their
+SampleInfo and leases the slots; the learner moves the bytes over its plane and
+then releases the lease. The daemon reports a lease stale when it expired or a
+slot was rewritten meanwhile: the batch read under it is discarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gear_client._proto import replay_pb2 as pb
+
+
+@dataclass
+class ItemSelection:
+    """A Select answer as arrays."""
+
+    slots: np.ndarray  # int64 [n]
+    generations: np.ndarray  # uint64 [n]
+    lengths: np.ndarray  # int64 [n, C]
+    infos: tuple[np.ndarray, ...]  # keys, probabilities, table_sizes, priorities, times_sampled
+    lease_id: int
+    layout_version: int
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSelection:
+    """Arrays of a SelectResponse (``num_columns`` None: taken from the first reference)."""
+    from gear_client.data_planes.batch import info_arrays
+
+    refs = response.refs
+    n = len(refs)
+    if num_columns is None:
+        num_columns = len(refs[0].lengths) if n else 0
+    slots = np.fromiter((r.slot for r in refs), np.int64, n)
+    generations = np.fromiter((r.generation for r in refs), np.uint64, n)
+    flat = [x for r in refs for x in r.lengths]
+    if len(flat) != n * num_columns:
+        raise ValueError(f"Select answered {len(flat)} lengths for {n} items of {num_columns} columns")
+    lengths = np.asarray(flat, dtype=np.int64).reshape(n, num_columns)
+    return ItemSelection(slots, generations, lengths, info_arrays(response.info), int(response.lease_id),
+                         int(response.layout_version))
+
+
+class PlaneSession:
+    """The control-plane half of a shm or rdma session."""
+
+    def __init__(self, stub, table: str, response: pb.OpenDataPlaneResponse, *, metadata=None):
+        self._stub = stub
+        self.table = table
+        self.session_id = response.session_id
+        self.kind = response.kind
+        self.lease_timeout_s = response.lease_timeout_ms / 1000.0
+        self._metadata = metadata
+        self.closed = False
+
+    def select(self, num_samples: int, num_columns: int | None, timeout: float | None) -> ItemSelection:
+        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples),
+                                   timeout_ms=int(timeout * 1000) if timeout else 0)
+        return parse_select(self._stub.Select(request, metadata=self._metadata), num_columns)
+
+    def release(self, lease_ids: list[int]) -> set[int]:
+        """End leases; returns the stale ones."""
+        response = self._stub.Release(pb.ReleaseRequest(session_id=self.session_id, lease_ids=lease_ids),
+                                      metadata=self._metadata)
+        return set(response.stale_lease_ids)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._stub.CloseDataPlane(pb.CloseDataPlaneRequest(session_id=self.session_id), metadata=self._metadata,
+                                      timeout=5)
+        except Exception:  # noqa: BLE001 - the daemon reaps the session anyway
+            pass

@@ -1,0 +1,205 @@
+"""The shm plane: a learner on the daemon's host reads the table segment directly.
+
+The segment (a 0600 file under /dev/shm) is mapped read-only. On the CPU a
+batch is gathered with NumPy into a host buffer: one ``memcpy`` per item and
+column for large items, one vectorised ``take`` per column for small ones. On a
+GPU the mapping is registered with CUDA (``cudaHostRegister``, mapped) and the
+collection kernel of ``gear_kernels`` reads the items straight into device
+memory. Nothing crosses a socket but the selection.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from gear_client.data_planes.batch import BufferPool, SampledBatch, column_arrays
+from gear_client.data_planes.range_planning import (
+    LENGTH,
+    LOCAL,
+    REMOTE,
+    BatchLayout,
+    WindowSpec,
+    padding_ranges,
+    plan_ranges,
+    resolve_windows,
+    window_bounds,
+    window_steps,
+)
+from gear_client.layout import TableLayout
+
+# Item bytes from which one memcpy per item beats a vectorised take (measured on x86-64).
+MEMCPY_ITEM_BYTES = 16 << 10
+
+
+class SegmentMapping:
+    """A read-only mapping of a table segment (PermissionError / FileNotFoundError if it cannot be opened)."""
+
+    def __init__(self, layout: TableLayout):
+        self.layout = layout
+        fd = os.open(layout.segment, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < layout.segment_size:
+                raise ValueError(f"segment {layout.segment} holds {size} bytes, the layout needs {layout.segment_size}")
+            self._mmap = mmap.mmap(fd, layout.segment_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._slot_views: dict[tuple[int, int, int], np.ndarray] = {}
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        return self._mmap
+
+    @property
+    def address(self) -> int:
+        return int(self.bytes.ctypes.data)
+
+    def slot_view(self, column: int, first_step: int, steps: int) -> np.ndarray:
+        """``[capacity]`` array of ``V<steps * step_bytes>`` records: the slots' bytes of one column."""
+        key = (column, first_step, steps)
+        view = self._slot_views.get(key)
+        if view is None:
+            col = self.layout.columns[column]
+            view = np.ndarray((self.layout.capacity,), dtype=f"V{steps * col.step_bytes}", buffer=self._mmap,
+                              offset=col.offset + first_step * col.step_bytes, strides=(col.slot_stride,))
+            self._slot_views[key] = view
+        return view
+
+    def close(self) -> None:
+        self._slot_views.clear()
+        self.bytes = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a batch still views it (zero-copy users); unmapped with the last view
+
+
+def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 ranges: np.ndarray, batch: BatchLayout, out: np.ndarray) -> None:
+    """Copy a selection into ``out`` (uint8, laid out as ``batch``), zeroing only the padding.
+
+    ``bounds`` are window_bounds() (first source step, steps, first row step) and
+    ``ranges`` the plan_ranges() of the selection. Small columns whose items all
+    take the same steps go through one vectorised take; the rest are one slice
+    copy per range. (gear_kernels.gather_numpy gives the same bytes but zeroes
+    whole rows first, a second pass over the batch.)
+    """
+    layout = mapping.layout
+    starts, counts, firsts = bounds
+    n = len(slots)
+    done = np.zeros(len(layout.columns), dtype=bool)
+    for c, (col, dst) in enumerate(zip(layout.columns, batch.columns, strict=True)):
+        if n == 0:
+            continue
+        first, steps, at = int(starts[0, c]), int(counts[0, c]), int(firsts[0, c])
+        record = steps * col.step_bytes
+        uniform = (steps > 0 and bool(np.all(starts[:, c] == first)) and bool(np.all(counts[:, c] == steps))
+                   and bool(np.all(firsts[:, c] == at)))
+        if not uniform or record >= MEMCPY_ITEM_BYTES:
+            continue
+        picked = np.take(mapping.slot_view(c, first, steps), slots)
+        if dst.item_bytes == record:
+            out[dst.offset:dst.offset + n * record].view(f"V{record}")[:] = picked
+        else:
+            rows = out[dst.offset:dst.offset + n * dst.item_bytes].reshape(n, dst.item_bytes)
+            rows[:, at * col.step_bytes:at * col.step_bytes + record] = picked.view(np.uint8).reshape(n, record)
+        done[c] = True
+    if len(ranges):
+        copy_ranges(mapping.bytes, out, ranges[~done[_column_of(ranges, batch)]])
+    for off, length in padding_ranges(counts, batch, firsts).tolist():
+        out[off:off + length] = 0
+
+
+def _column_of(ranges: np.ndarray, batch: BatchLayout) -> np.ndarray:
+    """Which batch column each range lands in (by local offset)."""
+    starts = np.array([c.offset for c in batch.columns], dtype=np.int64)
+    return np.searchsorted(starts, ranges[:, LOCAL], side="right") - 1
+
+
+def copy_ranges(src: np.ndarray, dst: Any, ranges: np.ndarray) -> None:
+    """One slice copy per (remote, local, length) range."""
+    for r_off, l_off, length in ranges[:, (REMOTE, LOCAL, LENGTH)].tolist():
+        dst[l_off:l_off + length] = src[r_off:r_off + length]
+
+
+def is_gpu_device(device: Any) -> bool:
+    """Whether ``device`` names a GPU ("cuda", "cuda:1", "gpu", an int device id)."""
+    if device is None:
+        return False
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    text = str(device).lower()
+    return text.startswith("cuda") or text.startswith("gpu")
+
+
+def gpu_index(device: Any) -> int:
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    return int(text.split(":", 1)[1]) if ":" in text else 0
+
+
+class ShmPlane:
+    """Batches gathered straight from the mapped segment (NumPy, or the GPU kernel into device memory)."""
+
+    kind = "shm"
+
+    def __init__(self, session, layout: TableLayout, *, device: Any = None):
+        self.session = session
+        self.layout = layout
+        self.device = device
+        self.mapping = SegmentMapping(layout)
+        self._registration = None
+        self._gpu = is_gpu_device(device)
+        if self._gpu:
+            import gear_kernels
+
+            if not gear_kernels.gpu_available():
+                self.mapping.close()
+                raise RuntimeError(f"device {device!r} asked for, but no CUDA GPU with CuPy is usable here")
+            cp = gear_kernels._backend.require_cupy()
+            with cp.cuda.Device(gpu_index(device)):
+                self._registration = gear_kernels.HostRegistration(self.mapping.buffer, read_only=True)
+        self._pool = BufferPool()
+
+    def fetch(self, selection, window: WindowSpec) -> SampledBatch:
+        layout = self.layout
+        n = len(selection)
+        windows = resolve_windows(layout, window)
+        batch = BatchLayout.build(layout, n, window_steps(windows))
+        bounds = window_bounds(selection.lengths, layout, windows)
+        if self._gpu:
+            columns = self._gather_gpu(selection, windows)
+        else:
+            ranges = plan_ranges(layout, selection.slots, bounds[0], bounds[1], batch, bounds[2])
+            out = self._pool.get(batch.nbytes)
+            gather_numpy(self.mapping, selection.slots, bounds, ranges, batch, out)
+            columns = column_arrays(out, layout, batch, n)
+        keys, probs, sizes, prios, times = selection.infos
+        return SampledBatch(keys, probs, sizes, prios, times, columns, bounds[1].astype(np.int32),
+                            layout.structure, tuple(c.squeeze for c in layout.columns), plane=self.kind)
+
+    def _gather_gpu(self, selection, windows) -> list[Any]:
+        import gear_kernels
+
+        cp = gear_kernels._backend.require_cupy()
+        with cp.cuda.Device(gpu_index(self.device)):
+            result = gear_kernels.gather(self.layout, self._registration, selection.slots,
+                                         selection.lengths.astype(np.int32), windows)
+            cp.cuda.get_current_stream().synchronize()  # the bytes are in before the lease ends
+        columns = []
+        for col, arr in zip(self.layout.columns, result.columns, strict=True):
+            columns.append(arr.reshape((arr.shape[0], *col.shape)) if col.squeeze else arr)
+        return columns
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
+        self._pool.clear()
+        self.mapping.close()

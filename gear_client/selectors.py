@@ -1,0 +1,100 @@
+"""Item selectors (`reverb.selectors`): which item a table samples or removes.
+
+Each selector is a small option object that validates its arguments like
+Reverb does and turns into a ``gear.v1.SelectorOptions`` with ``to_proto()``;
+the daemon builds the selection strategy from that message.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gear_client._proto import replay_pb2 as pb
+
+__all__ = ["Fifo", "Lifo", "MaxHeap", "MinHeap", "Prioritized", "Uniform", "SelectorType", "from_proto"]
+
+
+class _Selector:
+    """Base of the selector option objects."""
+
+    def to_proto(self) -> pb.SelectorOptions:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.to_proto() == self.to_proto()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.to_proto().SerializeToString(deterministic=True)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Uniform(_Selector):
+    """Samples every item with the same probability."""
+
+    def to_proto(self) -> pb.SelectorOptions:
+        return pb.SelectorOptions(uniform=True)
+
+
+class Fifo(_Selector):
+    """Selects the oldest item (by insertion)."""
+
+    def to_proto(self) -> pb.SelectorOptions:
+        return pb.SelectorOptions(fifo=True, is_deterministic=True)
+
+
+class Lifo(_Selector):
+    """Selects the newest item (by insertion)."""
+
+    def to_proto(self) -> pb.SelectorOptions:
+        return pb.SelectorOptions(lifo=True, is_deterministic=True)
+
+
+class Prioritized(_Selector):
+    """Samples items with probability proportional to priority ** priority_exponent."""
+
+    def __init__(self, priority_exponent: float):
+        exponent = float(priority_exponent)
+        if math.isnan(exponent) or exponent < 0:
+            raise ValueError(f"priority_exponent ({priority_exponent}) must be a non-negative number")
+        self.priority_exponent = exponent
+
+    def to_proto(self) -> pb.SelectorOptions:
+        return pb.SelectorOptions(prioritized=pb.PrioritizedOptions(priority_exponent=self.priority_exponent))
+
+    def __repr__(self) -> str:
+        return f"Prioritized(priority_exponent={self.priority_exponent})"
+
+
+class MaxHeap(_Selector):
+    """Selects the item with the highest priority."""
+
+    def to_proto(self) -> pb.SelectorOptions:
+        return pb.SelectorOptions(heap=pb.HeapOptions(min_heap=False), is_deterministic=True)
+
+
+class MinHeap(_Selector):
+    """Selects the item with the lowest priority."""
+
+    def to_proto(self) -> pb.SelectorOptions:
+        return pb.SelectorOptions(heap=pb.HeapOptions(min_heap=True), is_deterministic=True)
+
+
+SelectorType = Uniform | Prioritized | Fifo | Lifo | MaxHeap | MinHeap
+
+
+def from_proto(options: pb.SelectorOptions) -> SelectorType:
+    """The selector object a ``SelectorOptions`` message describes."""
+    kind = options.WhichOneof("distribution")
+    if kind == "uniform":
+        return Uniform()
+    if kind == "fifo":
+        return Fifo()
+    if kind == "lifo":
+        return Lifo()
+    if kind == "prioritized":
+        return Prioritized(options.prioritized.priority_exponent)
+    if kind == "heap":
+        return MinHeap() if options.heap.min_heap else MaxHeap()
+    raise ValueError(f"selector options name no distribution: {options}")

@@ -1,0 +1,170 @@
+"""``gear-server``: run the replay daemon in the foreground.
+
+    gear-server --config deploy/gear-server.example.toml [--port N] [--bind-address A] [--log-level L]
+
+Logs to stderr, stops cleanly on SIGTERM/SIGINT (segments unlinked), exit 0.
+Exit 2: bad configuration; exit 1: the daemon could not start (e.g. port taken).
+
+Two more inputs serve ``gear_client.Server``, which runs the daemon as a child
+process: ``--config-proto PATH`` (a serialized gear.v1.ServerConfig) and
+``--control-fd FD`` (a socket: the config arrives on it, length-prefixed, when
+no other config is given; the daemon answers ``port N`` or ``error TEXT`` and
+stops when the socket closes, so it never outlives its parent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import struct
+import sys
+import threading
+
+from gear_client._proto import replay_pb2 as pb
+from gear_server.config import ConfigError, DaemonSettings, load_config
+
+log = logging.getLogger("gear_server.cli")
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+_LENGTH = struct.Struct("!Q")
+MAX_CONFIG_BYTES = 64 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gear-server", description="Run the gear replay daemon.")
+    parser.add_argument("--config", help="TOML configuration file (see deploy/gear-server.example.toml)")
+    parser.add_argument("--config-proto", help=argparse.SUPPRESS)
+    parser.add_argument("--control-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help="override the config's port (0: any free port)")
+    parser.add_argument("--bind-address", help="override the config's bind_address")
+    parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
+    args = parser.parse_args(argv)
+    if args.config and args.config_proto:
+        parser.error("give --config or --config-proto, not both")
+    if not (args.config or args.config_proto or args.control_fd is not None):
+        parser.error("--config FILE is required")
+    return args
+
+
+def read_config_message(sock: socket.socket) -> pb.ServerConfig:
+    """A length-prefixed serialized ServerConfig from the control socket."""
+    header = _recv_exactly(sock, _LENGTH.size)
+    (size,) = _LENGTH.unpack(header)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config message of {size} bytes is too large")
+    return pb.ServerConfig.FromString(_recv_exactly(sock, size))
+
+
+def send_config_message(sock: socket.socket, config: pb.ServerConfig) -> None:
+    data = config.SerializeToString()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        if not part:
+            raise ConfigError("the control socket closed before the config arrived")
+        out += part
+    return bytes(out)
+
+
+def _settings(args: argparse.Namespace, control: socket.socket | None) -> DaemonSettings:
+    if args.config:
+        settings = load_config(args.config)
+    elif args.config_proto:
+        with open(args.config_proto, "rb") as f:
+            settings = DaemonSettings.from_server_config(pb.ServerConfig.FromString(f.read()))
+        settings.source = args.config_proto
+    else:
+        settings = DaemonSettings.from_server_config(read_config_message(control))
+        settings.source = "control socket"
+    if args.port is not None:
+        settings.server.port = args.port
+    if args.bind_address:
+        settings.server.bind_address = args.bind_address
+    return settings
+
+
+def _configure_logging(settings: DaemonSettings | None, level: str | None) -> None:
+    try:
+        from gear_server.logs import LoggingSettings, configure_logging
+    except ImportError:
+        logging.basicConfig(stream=sys.stderr, level=(level or "INFO").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return
+    logging_settings = (settings.logging if settings is not None else None) or LoggingSettings()
+    if level:
+        logging_settings = LoggingSettings(level=level.upper(), format=logging_settings.format,
+                                           loggers=logging_settings.loggers,
+                                           client_error_summary_s=logging_settings.client_error_summary_s)
+    configure_logging(logging_settings)
+
+
+def _watch_control(control: socket.socket, daemon) -> None:
+    """Stop the daemon when the parent closes the control socket (or dies)."""
+    def run():
+        try:
+            while True:
+                data = control.recv(4096)
+                if not data or b"stop" in data:
+                    break
+        except OSError:
+            pass
+        log.info("control socket closed: stopping")
+        daemon.request_stop()
+
+    threading.Thread(target=run, name="gear-control", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    control = socket.socket(fileno=args.control_fd) if args.control_fd is not None else None
+
+    def report(line: str) -> None:
+        if control is not None:
+            try:
+                control.sendall((line.replace("\n", " ") + "\n").encode())
+            except OSError:
+                pass
+
+    _configure_logging(None, args.log_level)
+    try:
+        settings = _settings(args, control)
+        _configure_logging(settings, args.log_level)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"gear-server: configuration error: {e}", file=sys.stderr)
+        report(f"error configuration: {e}")
+        return EXIT_CONFIG
+
+    from gear_server.daemon import Daemon
+
+    daemon = Daemon(settings)
+    if settings.source:
+        log.info("configuration from %s", settings.source)
+
+    def on_started(d) -> None:
+        report(f"port {d.port}")
+        if control is not None:
+            _watch_control(control, d)
+
+    try:
+        daemon.serve(install_signal_handlers=True, on_started=on_started)
+    except (OSError, ValueError, RuntimeError) as e:
+        log.error("cannot start: %s", e)
+        report(f"error {e}")
+        return EXIT_FAILED
+    except Exception as e:  # noqa: BLE001 (a bug: report it to the parent, with its traceback in the log)
+        log.exception("the daemon failed")
+        report(f"error {type(e).__name__}: {e}")
+        return EXIT_FAILED
+    finally:
+        if control is not None:
+            control.close()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

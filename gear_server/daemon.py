@@ -1,0 +1,240 @@
+"""The daemon: tables in shared memory plus the gRPC control plane, and their lifecycle.
+
+``Daemon(settings)`` goes through clear steps so each operations concern hooks
+into one place: ``build_tables()`` (clean stale segments, create tables),
+``build_service()``, ``build_server()`` (gRPC server, options, interceptors,
+extra services), ``bind()`` (address and credentials), ``start()`` and
+``stop()``. ``serve()`` runs it in the foreground until ``request_stop()``
+(SIGTERM/SIGINT with ``install_signal_handlers``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from gear_client._proto import replay_pb2 as pb
+from gear_server import __version__
+from gear_server.config import DaemonSettings
+from gear_server.service import ReplayService
+from gear_server.storage import SegmentStore
+
+log = logging.getLogger(__name__)
+
+# Messages carry whole chunks and sample batches: raise gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = (1 << 31) - 1
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A port that is taken must fail to bind rather than be shared with another daemon.
+    ("grpc.so_reuseport", 0),
+]
+
+
+def tune_allocator() -> bool:
+    """Keep freed message buffers in the heap (glibc): fewer page faults per sampled byte.
+
+    Every SampleResponse is a fresh multi-MiB bytes object; with glibc's defaults
+    the heap top is trimmed and refaulted (and zeroed) for nearly every message.
+    Buffers under 64 MiB come from the heap and up to 512 MiB of free heap is kept.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get("GEAR_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 64 << 20)) and bool(libc.mallopt(m_trim_threshold, 512 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
+def host_id() -> str:
+    """This host's identity: learners offer theirs and the daemon compares them to pick the shm plane.
+
+    The same function on both sides (boot id, host name, network namespace; see
+    gear_client.data_planes.negotiation.local_host_id).
+    """
+    from gear_client.data_planes.negotiation import local_host_id
+
+    return local_host_id()
+
+
+class Daemon:
+    """One replay daemon (see the module docstring for its steps)."""
+
+    def __init__(self, settings: DaemonSettings | pb.ServerConfig, *, seed: int | None = None):
+        if isinstance(settings, pb.ServerConfig):
+            settings = DaemonSettings.from_server_config(settings)
+        self.settings = settings
+        self.config: pb.ServerConfig = settings.server
+        self.seed = seed
+        self.store: SegmentStore | None = None
+        self.tables: dict[str, Any] = {}
+        self.service: ReplayService | None = None
+        self.server: grpc.Server | None = None
+        self.port: int | None = None
+        self.host_id = host_id()
+        self._stop_requested = threading.Event()
+        self._stopped = threading.Event()
+        self._state_lock = threading.Lock()
+        self._started = False
+
+    # ------------------------------------------------------------------ steps
+    def build_tables(self) -> dict[str, Any]:
+        """Remove stale segments of dead daemons of this instance, then create every table."""
+        from gear_server.table import Table
+
+        self.store = SegmentStore(self.config.shm_dir or "/dev/shm", self.config.instance_name or "gear")
+        removed = self.store.cleanup_stale()
+        if removed:
+            log.info("removed %d stale segment(s) of dead daemons: %s", len(removed), ", ".join(removed))
+        tables = {}
+        for i, table_config in enumerate(self.config.tables):
+            seed = None if self.seed is None else self.seed + i
+            tables[table_config.name] = Table(table_config, self.store, seed=seed)
+        return tables
+
+    def build_service(self) -> ReplayService:
+        return ReplayService(self.tables, host_id=self.host_id, version=__version__,
+                             checkpoint=self.checkpoint_function(), data_planes=self.build_data_planes())
+
+    def checkpoint_function(self):
+        """The callable behind the Checkpoint RPC (None: UNIMPLEMENTED)."""
+        return None
+
+    def build_data_planes(self) -> Any:
+        """The learner data-plane manager, when this build has one."""
+        try:
+            from gear_server.data_planes.manager import DataPlaneManager
+        except ImportError:
+            return None
+        return DataPlaneManager(self.tables, self.host_id)
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        return list(GRPC_OPTIONS)
+
+    def interceptors(self) -> list[grpc.ServerInterceptor]:
+        return []
+
+    def build_server(self) -> grpc.Server:
+        """The gRPC server with the replay service (and any extra services) registered."""
+        executor = futures.ThreadPoolExecutor(max_workers=self.settings.max_workers, thread_name_prefix="gear-rpc")
+        server = grpc.server(executor, options=self.server_options(), interceptors=self.interceptors())
+        self.service.add_to_server(server)
+        return server
+
+    def bind(self, server: grpc.Server) -> int:
+        """Bind the configured address; returns the port (the one picked when port is 0)."""
+        address = f"{self.config.bind_address or '[::]'}:{self.config.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"cannot bind {address}: {e}") from e
+        if not port:
+            raise OSError(f"cannot bind {address} (in use or not an address of this host)")
+        return port
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> int:
+        """Build everything and start serving; returns the bound port."""
+        with self._state_lock:
+            if self._started:
+                raise RuntimeError("the daemon was already started")
+            self._started = True
+        tune_allocator()
+        try:
+            self.tables = self.build_tables()
+            self.service = self.build_service()
+            self.server = self.build_server()
+            self.port = self.bind(self.server)
+            self.server.start()
+        except BaseException:
+            self._release()
+            self._stopped.set()
+            raise
+        log.info("serving %d table(s) [%s] on %s:%d (pid %d, segments in %s)", len(self.tables),
+                 ", ".join(self.tables), self.config.bind_address or "[::]", self.port, os.getpid(),
+                 self.config.shm_dir or "/dev/shm")
+        return self.port
+
+    def request_stop(self) -> None:
+        """Ask ``serve()`` to stop (safe from signal handlers and other threads)."""
+        self._stop_requested.set()
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving, wake blocked calls, close the tables and unlink every segment. Idempotent."""
+        with self._state_lock:
+            if self._stopped.is_set() or not self._started:
+                self._stopped.set()
+                return
+            self._stopped.set()
+        self._stop_requested.set()
+        log.info("stopping")
+        started = time.monotonic()
+        if self.service is not None:
+            self.service.stopping()
+        done = self.server.stop(grace) if self.server is not None else None
+        for table in self.tables.values():
+            try:
+                table.close()
+            except Exception:  # noqa: BLE001 (keep closing the others)
+                log.exception("closing table '%s' failed", getattr(table, "name", "?"))
+        if done is not None:
+            done.wait(grace + 5.0)
+        planes = self.service.data_planes if self.service is not None else None
+        if planes is not None and hasattr(planes, "shutdown"):
+            planes.shutdown()
+        self._release()
+        log.info("stopped in %.2f s", time.monotonic() - started)
+
+    def _release(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the daemon has stopped; False if the timeout passed first."""
+        return self._stopped.wait(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def serve(self, install_signal_handlers: bool = True, on_started=None) -> None:
+        """Start, run until ``request_stop()`` (or SIGTERM/SIGINT), then stop cleanly."""
+        previous = {}
+        if install_signal_handlers:
+            def on_signal(signum, frame):
+                log.info("received %s", signal.Signals(signum).name)
+                self.request_stop()
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, on_signal)
+        try:
+            self.start()
+            if on_started is not None:
+                on_started(self)
+            while not self._stop_requested.wait(0.5):
+                pass
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def __enter__(self) -> Daemon:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def address(self, host: str = "localhost") -> str:
+        return f"{host}:{self.port}"

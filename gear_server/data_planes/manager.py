@@ -1,0 +1,235 @@
+"""DataPlaneManager: the daemon's handlers for OpenDataPlane, Select, Release and CloseDataPlane.
+
+``ReplayService`` delegates the four RPCs here. ``open`` negotiates the plane
+(gear_client.data_planes.negotiation) and returns what it needs: the table
+layout for shm (the learner maps the segment), the layout plus the daemon's
+queue pairs and the segment's memory region for rdma, nothing for inline (the
+learner then samples with the Sample RPC). ``select`` samples like the Sample
+RPC but returns item references (slot, generation, lengths) with their
+SampleInfo and leases the slots; ``release`` ends leases and says which were
+stale. A reaper thread ends leases past their timeout and sessions left idle,
+so a learner that dies leaks nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from gear_client._proto import replay_pb2 as pb
+from gear_client.data_planes import negotiation
+from gear_server.data_planes.sessions import SessionNotFoundError, SessionRegistry
+from gear_server.errors import RateLimiterTimeout, TableClosedError, TableNotFoundError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TIMEOUT_S = 60.0
+DEFAULT_IDLE_TIMEOUT_S = 600.0
+MAX_SELECT = 1 << 20  # items per Select
+# A blocked Select wakes this often to notice a cancelled call or a closed session.
+POLL_S = 0.25
+
+
+class DataPlaneManager:
+    """Sessions and leases of learner data planes over a daemon's tables."""
+
+    def __init__(self, tables: Mapping[str, Any], host_id: str, *, rdma: Any = "auto",
+                 lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 reap_interval_s: float | None = None):
+        self.tables = tables  # the daemon's dict: tables added later are seen
+        self.host_id = host_id
+        if rdma == "auto":
+            from gear_server.data_planes.rdma_server import RdmaServer
+
+            rdma = RdmaServer.probe()
+        self.rdma = rdma
+        self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
+                                        on_close=self._on_session_closed)
+        self._stop = threading.Event()
+        interval = reap_interval_s if reap_interval_s is not None else min(1.0, lease_timeout_s / 4)
+        self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="gear-lease-reaper",
+                                        daemon=True)
+        self._reaper.start()
+
+    # ---------------------------------------------------------------- lifecycle
+    def _reap_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                expired, idle = self.sessions.reap()
+                if expired or idle:
+                    log.info("data planes: %d lease(s) expired, %d idle session(s) closed", expired, idle)
+            except Exception:  # noqa: BLE001 - the reaper must survive anything
+                log.exception("lease reaper failed")
+
+    def shutdown(self) -> None:
+        """Stop the reaper, close every session (releasing leases) and the RDMA device."""
+        self._stop.set()
+        self._reaper.join(timeout=5)
+        self.sessions.close_all()
+        if self.rdma is not None:
+            self.rdma.close()
+
+    def _on_session_closed(self, session) -> None:
+        if session.resources is not None and self.rdma is not None:
+            try:
+                self.rdma.close_session(session.resources)
+            except Exception:  # noqa: BLE001
+                log.exception("closing RDMA resources of session %s failed", session.session_id)
+
+    # ---------------------------------------------------------------- helpers
+    def _table(self, name: str, context: grpc.ServicerContext) -> Any:
+        table = self.tables.get(name)
+        if table is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(TableNotFoundError(name)))
+        return table
+
+    def _session(self, session_id: str, context: grpc.ServicerContext):
+        try:
+            return self.sessions.get(session_id)
+        except SessionNotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+    def _timeouts(self) -> dict[str, int]:
+        return {"lease_timeout_ms": int(self.sessions.lease_timeout_s * 1000),
+                "session_idle_timeout_ms": int(self.sessions.idle_timeout_s * 1000)}
+
+    # ---------------------------------------------------------------- RPCs
+    def open(self, request: pb.OpenDataPlaneRequest, context: grpc.ServicerContext) -> pb.OpenDataPlaneResponse:
+        table = self._table(request.table, context)
+        try:
+            kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None)
+        except negotiation.NoCommonPlaneError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if kind == negotiation.INLINE:
+            return pb.OpenDataPlaneResponse(kind=kind, **self._timeouts())
+        layout = table.layout()
+        resources = endpoint = region = None
+        if kind == negotiation.RDMA and layout is not None:
+            try:
+                resources, endpoint, region = self.rdma.accept(layout, request.offer.rdma)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RDMA endpoint refused: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the device failed: serve the learner inline
+                log.warning("RDMA connection for table '%s' failed, answering inline: %s", table.name, exc)
+                return pb.OpenDataPlaneResponse(kind=negotiation.INLINE, **self._timeouts())
+        try:
+            session = self.sessions.create(table, kind, resources)
+        except OverflowError as exc:
+            if resources is not None:
+                self.rdma.close_session(resources)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        response = pb.OpenDataPlaneResponse(session_id=session.session_id, kind=kind, **self._timeouts())
+        if layout is not None:
+            response.layout.CopyFrom(layout.to_proto())
+        if endpoint is not None:
+            response.rdma.CopyFrom(endpoint)
+            response.region.CopyFrom(region)
+        return response
+
+    def select(self, request: pb.SelectRequest, context: grpc.ServicerContext) -> pb.SelectResponse:
+        """Lease ``num_samples`` items (fewer only if the timeout passes after some were picked)."""
+        session = self._session(request.session_id, context)
+        n = int(request.num_samples)
+        if n < 1 or n > MAX_SELECT:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_samples ({n}) must be in [1, {MAX_SELECT}]")
+        table = session.table
+        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
+        parts: list[Any] = []
+        taken = 0
+        try:
+            while taken < n:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    if taken:
+                        break
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rate limiter of table '{table.name}' timed out")
+                step = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - now))
+                if not context.is_active() or session.closed:
+                    context.abort(grpc.StatusCode.CANCELLED, "select cancelled")
+                try:
+                    part = table.sample(n - taken, timeout=step)
+                except RateLimiterTimeout:
+                    continue
+                parts.append(part)
+                taken += len(part.slots)
+        except TableClosedError as exc:
+            self._release_parts(table, parts)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "table closed")
+        except ValueError as exc:
+            self._release_parts(table, parts)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BaseException:
+            self._release_parts(table, parts)
+            raise
+        selection = merge_selections(parts)
+        lease_id = self.sessions.add_lease(session, [p.lease_id for p in parts], selection.slots,
+                                           selection.generations)
+        if lease_id is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
+        return build_select_response(selection, lease_id)
+
+    @staticmethod
+    def _release_parts(table: Any, parts: list[Any]) -> None:
+        for part in parts:
+            try:
+                table.release(part.lease_id)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        session = self._session(request.session_id, context)
+        stale = self.sessions.release(session, request.lease_ids)
+        return pb.ReleaseResponse(stale_lease_ids=stale)
+
+    def close(self, request: pb.CloseDataPlaneRequest, context: grpc.ServicerContext) -> pb.CloseDataPlaneResponse:
+        self.sessions.close(request.session_id)  # closing twice is harmless
+        return pb.CloseDataPlaneResponse()
+
+
+@dataclass
+class MergedSelection:
+    """Several table selections of one Select, as one."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+    lengths: np.ndarray
+    keys: np.ndarray
+    probabilities: np.ndarray
+    table_sizes: np.ndarray
+    priorities: np.ndarray
+    times_sampled: np.ndarray
+    layout_version: int
+
+
+def merge_selections(parts: list[Any]) -> MergedSelection:
+    """Concatenate selections; the newest layout version addresses every slot (growth keeps slots)."""
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([np.asarray(getattr(p, name)) for p in parts])
+
+    return MergedSelection(cat("slots"), cat("generations"), cat("lengths"), cat("keys"), cat("probabilities"),
+                           cat("table_sizes"), cat("priorities"), cat("times_sampled"),
+                           max(int(p.layout_version) for p in parts))
+
+
+def build_select_response(selection: Any, lease_id: int) -> pb.SelectResponse:
+    """Item references and SampleInfos of a leased selection."""
+    lengths = np.asarray(selection.lengths, dtype=np.int32)
+    lengths = lengths.reshape(len(selection.slots), -1)
+    response = pb.SelectResponse(layout_version=int(selection.layout_version), lease_id=int(lease_id))
+    refs = response.refs
+    for slot, gen, lens in zip(selection.slots.tolist(), selection.generations.tolist(), lengths.tolist(),
+                               strict=True):
+        refs.add(slot=slot, generation=gen, lengths=lens)
+    infos = response.info
+    for k, p, s, q, t in zip(selection.keys.tolist(), selection.probabilities.tolist(),
+                             selection.table_sizes.tolist(), selection.priorities.tolist(),
+                             selection.times_sampled.tolist(), strict=True):
+        infos.add(key=k, probability=p, table_size=s, priority=q, times_sampled=t)
+    return response

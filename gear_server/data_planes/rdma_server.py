@@ -1,0 +1,143 @@
+"""The daemon's side of the RDMA plane: segments registered for remote reads, learners' queue pairs.
+
+The daemon is the passive side of one-sided RDMA READs: it maps each table
+segment, registers it once with the NIC (remote-read access, shared by every
+session that reads that segment version) and, per learner session, creates as
+many RC queue pairs as the learner offered and connects them to the learner's.
+The learner then reads the selected ranges itself; no daemon CPU touches them.
+All verbs calls go through ``gear_client.data_planes.verbs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from gear_client._proto import replay_pb2 as pb
+from gear_client.data_planes import addressing, verbs
+from gear_client.layout import TableLayout
+
+log = logging.getLogger(__name__)
+
+MAX_QPS_PER_SESSION = 16
+
+
+@dataclass
+class _Registered:
+    mapping: mmap.mmap
+    region: verbs.Region
+    address: int
+    sessions: int = 0
+
+
+@dataclass
+class RdmaSessionResources:
+    """What one learner session holds: its queue pairs and a reference on a registered segment."""
+
+    queue_pairs: verbs.QueuePairs
+    segment: str
+
+
+class RdmaServer:
+    """Owns the daemon's opened RDMA device and the segments registered on it (thread safe)."""
+
+    def __init__(self, port: addressing.PortInfo, *, max_qps_per_session: int = MAX_QPS_PER_SESSION):
+        self.port = port
+        self.max_qps_per_session = max_qps_per_session
+        self.device = verbs.Device(port, responder=True)
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Registered] = {}
+
+    @classmethod
+    def probe(cls, device: str | None = None) -> RdmaServer | None:
+        """An RdmaServer on the first active port (of ``device``), or None without pyverbs or a device."""
+        info = verbs.probe(device)
+        if info is None:
+            return None
+        try:
+            return cls(info)
+        except (verbs.VerbsError, verbs.VerbsUnavailableError) as exc:
+            log.warning("RDMA device %s found but unusable: %s", info.device, exc)
+            return None
+
+    def _acquire_segment(self, layout: TableLayout) -> _Registered:
+        with self._lock:
+            reg = self._segments.get(layout.segment)
+            if reg is None:
+                fd = os.open(layout.segment, os.O_RDWR)
+                try:
+                    mapping = mmap.mmap(fd, layout.segment_size, flags=mmap.MAP_SHARED,
+                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+                address = _address_of(mapping)
+                try:
+                    region = self.device.register(address, layout.segment_size)
+                except BaseException:
+                    mapping.close()
+                    raise
+                reg = _Registered(mapping, region, address)
+                self._segments[layout.segment] = reg
+            reg.sessions += 1
+            return reg
+
+    def _release_segment(self, segment: str) -> None:
+        with self._lock:
+            reg = self._segments.get(segment)
+            if reg is None:
+                return
+            reg.sessions -= 1
+            if reg.sessions > 0:
+                return
+            del self._segments[segment]
+        self.device.deregister(reg.region)
+        reg.mapping.close()
+
+    def accept(self, layout: TableLayout, learner: pb.RdmaEndpoint
+               ) -> tuple[RdmaSessionResources, pb.RdmaEndpoint, pb.RdmaRegion]:
+        """Connect queue pairs to a learner's endpoint; returns (resources, daemon endpoint, segment region).
+
+        ValueError for an endpoint that cannot be served; verbs.VerbsError when the device refuses.
+        """
+        addressing.validate_endpoint(learner)
+        if len(learner.qp_nums) > self.max_qps_per_session:
+            raise ValueError(f"at most {self.max_qps_per_session} queue pairs per session, got {len(learner.qp_nums)}")
+        av = addressing.address_vector(self.port, learner)
+        reg = self._acquire_segment(layout)
+        qps = None
+        try:
+            qps = verbs.QueuePairs(self.device, len(learner.qp_nums), max_send_wr=1)
+            qps.connect(learner, av, addressing.path_mtu(self.port, learner), addressing.rd_atomic(self.port, learner))
+        except BaseException:
+            if qps is not None:
+                qps.close()
+            self._release_segment(layout.segment)
+            raise
+        region = pb.RdmaRegion(addr=reg.region.addr, rkey=reg.region.rkey, length=reg.region.length)
+        return RdmaSessionResources(qps, layout.segment), qps.endpoint(), region
+
+    def close_session(self, resources: RdmaSessionResources) -> None:
+        resources.queue_pairs.close()
+        self._release_segment(resources.segment)
+
+    def close(self) -> None:
+        with self._lock:
+            segments = list(self._segments.values())
+            self._segments.clear()
+        for reg in segments:
+            self.device.deregister(reg.region)
+            reg.mapping.close()
+        self.device.close()
+
+
+def _address_of(mapping: mmap.mmap) -> int:
+    """The virtual address of a mapping (a read-only NumPy view exposes it)."""
+    import numpy as np
+
+    view = np.frombuffer(mapping, dtype=np.uint8, count=1)
+    address = int(view.ctypes.data)
+    del view
+    return address

@@ -1,0 +1,237 @@
+"""Reverb's rate limiter: keeps the ratio of samples to inserts within bounds.
+
+State is three counters (inserts, samples, deletes; every removal counts as a
+delete). ``can_sample(n)`` is false while ``inserts - deletes <
+min_size_to_sample``, else ``inserts * spi - samples - n >= min_diff``;
+``can_insert(n)`` is true while ``inserts + n - deletes <= min_size_to_sample``,
+else ``(inserts + n) * spi - samples <= max_diff``. Blocked calls wait on
+condition variables that share the table's lock, until allowed, timed out
+(``RateLimiterTimeout``) or cancelled (``TableClosedError``).
+
+The table reserves a slot for an insert before copying its bytes outside the
+lock; such an insert is *pending*: it counts against ``can_insert`` (so that
+concurrent writers cannot overshoot ``max_diff``) but not for sampling, which
+only sees items whose bytes are in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+
+from gear_client._proto import replay_pb2 as pb
+from gear_server.errors import RateLimiterTimeout, TableClosedError
+
+
+class CallStats:
+    """Completed / limited counts and wait times of one kind of call (insert or sample)."""
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.limited = 0
+        self.completed_wait_s = 0.0
+        self._pending: dict[int, float] = {}  # event id -> start (monotonic)
+        self._ids = itertools.count()
+
+    def start(self) -> int:
+        event = next(self._ids)
+        self._pending[event] = time.monotonic()
+        return event
+
+    def finish(self, event: int, blocked: bool) -> None:
+        start = self._pending.pop(event)
+        self.completed += 1
+        if blocked:
+            self.limited += 1
+            self.completed_wait_s += time.monotonic() - start
+
+    def add_unblocked(self, n: int) -> None:
+        self.completed += n
+
+    def to_proto(self) -> pb.RateLimiterCallStats:
+        now = time.monotonic()
+        return pb.RateLimiterCallStats(
+            completed=self.completed, limited=self.limited, completed_wait_time_s=self.completed_wait_s,
+            pending_wait_time_s=sum(now - s for s in self._pending.values()),
+        )
+
+
+class RateLimiter:
+    """Reverb semantics; every method must be called with ``lock`` held."""
+
+    def __init__(self, options: pb.RateLimiterOptions, lock: threading.Lock | threading.RLock):
+        self.samples_per_insert = float(options.samples_per_insert)
+        self.min_size_to_sample = int(options.min_size_to_sample)
+        self.min_diff = float(options.min_diff)
+        self.max_diff = float(options.max_diff)
+        for name in ("samples_per_insert", "min_diff", "max_diff"):
+            if math.isnan(getattr(self, name)):
+                raise ValueError(f"rate limiter {name} is NaN")
+        self.inserts = 0
+        self.samples = 0
+        self.deletes = 0
+        self.pending_inserts = 0
+        self.cancelled = False
+        self.insert_stats = CallStats()
+        self.sample_stats = CallStats()
+        self._can_insert_cv = threading.Condition(lock)
+        self._can_sample_cv = threading.Condition(lock)
+        self._insert_waiters = 0
+        self._sample_waiters = 0
+
+    # ------------------------------------------------------------ predicates
+    def can_sample(self, n: int = 1) -> bool:
+        if self.inserts - self.deletes < max(self.min_size_to_sample, 1):
+            return False
+        return self.inserts * self.samples_per_insert - self.samples - n >= self.min_diff
+
+    def can_insert(self, n: int = 1) -> bool:
+        inserts = self.inserts + self.pending_inserts
+        if inserts + n - self.deletes <= self.min_size_to_sample:
+            return True
+        return (inserts + n) * self.samples_per_insert - self.samples <= self.max_diff
+
+    def samples_allowed_now(self, limit: int) -> int:
+        """The largest m <= limit with can_sample(m) (0 if none): samples that may run without waiting."""
+        if limit <= 0 or not self.can_sample(1):
+            return 0
+        room = self.inserts * self.samples_per_insert - self.samples - self.min_diff
+        m = int(min(limit, math.floor(room))) if math.isfinite(room) else limit
+        m = max(m, 1)
+        while m > 1 and not self.can_sample(m):  # guard against floating-point rounding
+            m -= 1
+        return m
+
+    # ------------------------------------------------------------ waiting
+    def await_insert(self, deadline: float | None) -> None:
+        """Wait until one more insert is allowed, then mark it pending."""
+        event = self.insert_stats.start()
+        blocked = False
+        try:
+            while True:
+                if self.cancelled:
+                    raise TableClosedError("table closed while an insert waited on the rate limiter")
+                if self.can_insert(1):
+                    break
+                blocked = True
+                self._insert_waiters += 1
+                try:
+                    in_time = _wait(self._can_insert_cv, deadline)
+                finally:
+                    self._insert_waiters -= 1
+                if not in_time:
+                    if self.cancelled:
+                        continue
+                    if self.can_insert(1):
+                        break
+                    raise RateLimiterTimeout(
+                        "Rate Limiter: Timeout exceeded before the right to insert was acquired.")
+        finally:
+            self.insert_stats.finish(event, blocked)
+        self.pending_inserts += 1
+
+    def await_sample(self, deadline: float | None, ready=None) -> None:
+        """Wait until one sample is allowed (and ``ready()``, if given, holds); does not count it."""
+        event = self.sample_stats.start()
+        blocked = False
+        try:
+            while True:
+                if self.cancelled:
+                    raise TableClosedError("table closed while a sample waited on the rate limiter")
+                if self.can_sample(1) and (ready is None or ready()):
+                    break
+                blocked = True
+                self._sample_waiters += 1
+                try:
+                    in_time = _wait(self._can_sample_cv, deadline)
+                finally:
+                    self._sample_waiters -= 1
+                if not in_time:
+                    if self.cancelled:
+                        continue
+                    if self.can_sample(1) and (ready is None or ready()):
+                        break
+                    raise RateLimiterTimeout(
+                        "Rate Limiter: Timeout exceeded before the right to sample was acquired.")
+        finally:
+            # The sample stats count this call only when it completes a sample; a timed-out
+            # or cancelled wait still counts as completed, as in Reverb.
+            self.sample_stats.finish(event, blocked)
+
+    # ------------------------------------------------------------ counters
+    def insert_committed(self) -> None:
+        self.pending_inserts -= 1
+        self.inserts += 1
+        self.notify()
+
+    def insert_abandoned(self) -> None:
+        """A reserved insert did not happen (turned into an update, or failed)."""
+        self.pending_inserts -= 1
+        self.notify()
+
+    def sampled(self, n: int = 1) -> None:
+        self.samples += n
+        self.notify()
+
+    def deleted(self, n: int = 1) -> None:
+        self.deletes += n
+        self.notify()
+
+    def reset(self) -> None:
+        self.inserts = 0
+        self.samples = 0
+        self.deletes = 0
+        self.notify()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._can_insert_cv.notify_all()
+        self._can_sample_cv.notify_all()
+
+    def notify(self) -> None:
+        """Wake waiters whose condition may now hold."""
+        if self._insert_waiters and self.can_insert(1):
+            self._can_insert_cv.notify_all()
+        if self._sample_waiters and self.can_sample(1):
+            self._can_sample_cv.notify_all()
+
+    def notify_samplers(self) -> None:
+        """Wake samplers unconditionally (the table's own readiness changed)."""
+        if self._sample_waiters:
+            self._can_sample_cv.notify_all()
+
+    # ------------------------------------------------------------ reporting
+    def info(self) -> pb.RateLimiterInfo:
+        return pb.RateLimiterInfo(
+            samples_per_insert=self.samples_per_insert, min_diff=self.min_diff, max_diff=self.max_diff,
+            min_size_to_sample=self.min_size_to_sample, insert_stats=self.insert_stats.to_proto(),
+            sample_stats=self.sample_stats.to_proto(), num_deletes=self.deletes,
+        )
+
+    def state(self) -> dict[str, int]:
+        return {"inserts": self.inserts, "samples": self.samples, "deletes": self.deletes}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.inserts = int(state["inserts"])
+        self.samples = int(state["samples"])
+        self.deletes = int(state["deletes"])
+        self.notify()
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """A monotonic deadline for a timeout in seconds (None: wait forever)."""
+    return None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+
+
+def _wait(cv: threading.Condition, deadline: float | None) -> bool:
+    """Wait on cv until notified or the deadline; False when the deadline has passed."""
+    if deadline is None:
+        cv.wait()
+        return True
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return False
+    cv.wait(remaining)
+    return time.monotonic() < deadline

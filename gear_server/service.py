@@ -1,0 +1,477 @@
+"""The gRPC control plane: ReplayService over the daemon's tables.
+
+Every request is validated completely before it touches a table; a request
+that is not valid ends its call with INVALID_ARGUMENT (NOT_FOUND for an unknown
+table) and the daemon goes on serving. Errors of the tables map to statuses as
+docs/DESIGN.md lists.
+
+Inserts stream: chunks first, then items that reference slices of them; the
+next request is read only after the current items are in the table (the rate
+limiter holding an insert is the writer's back-pressure).
+
+Samples stream ``SampleResponse``s built by hand (``encode_sample_response``):
+the per-column bytes of several items are joined straight from the leased
+table slots into the message, so a sampled byte is copied once in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+
+from gear_client._proto import replay_pb2 as pb
+from gear_server.errors import RateLimiterTimeout, TableClosedError, TableNotFoundError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "gear.v1.ReplayService"
+
+# Bytes of item data per SampleResponse: large enough to amortise per-message
+# costs, small enough that producing and consuming messages overlap (measured
+# on loopback: 1-2 MiB per message is best for 256 KiB items).
+TARGET_SAMPLE_MESSAGE_BYTES = int(os.environ.get("GEAR_SAMPLE_MESSAGE_BYTES", 2 << 20))
+MAX_ITEMS_PER_SAMPLE_MESSAGE = 256
+# Structure nesting deeper than this is refused (a request must not exhaust the stack).
+MAX_STRUCTURE_DEPTH = 64
+# Blocked inserts and samples wake this often to notice a cancelled call.
+CANCEL_POLL_S = 0.25
+
+_ALLOWED_KINDS = frozenset("biufcSU")
+
+
+class BadRequest(ValueError):
+    """The request is not a valid request (INVALID_ARGUMENT)."""
+
+
+def dtype_from_wire(text: str, where: str) -> np.dtype:
+    """The numpy dtype of a wire dtype string; only plain fixed-size types cross the wire."""
+    try:
+        dtype = np.dtype(text)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"{where}: invalid dtype {text!r}") from e
+    if dtype.kind not in _ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
+        raise BadRequest(f"{where}: unsupported dtype {text!r} (plain numeric, bool or fixed-size string only)")
+    return dtype
+
+
+def tensor_to_array(tensor: pb.Tensor, where: str, min_rank: int = 0) -> np.ndarray:
+    """A read-only array over a Tensor's raw buffer, after checking dtype, shape and size."""
+    dtype = dtype_from_wire(tensor.dtype, where)
+    shape = tuple(tensor.shape)
+    if len(shape) < min_rank:
+        raise BadRequest(f"{where}: rank {len(shape)} < {min_rank} (the first dimension counts steps)")
+    if any(d < 0 for d in shape):
+        raise BadRequest(f"{where}: negative dimension in shape {shape}")
+    expected = dtype.itemsize * math.prod(shape)
+    data = tensor.data
+    if len(data) != expected:
+        raise BadRequest(f"{where}: data holds {len(data)} bytes, shape {shape} of {dtype.str} needs {expected}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def check_structure(structure: pb.Structure, where: str, depth: int = 0) -> int:
+    """Validate a wire Structure; returns its number of leaves."""
+    if depth > MAX_STRUCTURE_DEPTH:
+        raise BadRequest(f"{where}: structure nested deeper than {MAX_STRUCTURE_DEPTH}")
+    kind = structure.kind
+    k = pb.Structure.Kind
+    if kind == k.LEAF or kind == k.NONE:
+        if structure.children:
+            raise BadRequest(f"{where}: a leaf or None node has children")
+        return 1 if kind == k.LEAF else 0
+    if kind in (k.DICT, k.NAMEDTUPLE):
+        if len(structure.keys) != len(structure.children):
+            raise BadRequest(f"{where}: {len(structure.keys)} keys for {len(structure.children)} children")
+        if kind == k.NAMEDTUPLE and not structure.type_name.isidentifier():
+            raise BadRequest(f"{where}: invalid namedtuple type name {structure.type_name!r}")
+    elif kind not in (k.LIST, k.TUPLE):
+        raise BadRequest(f"{where}: unknown structure kind {kind}")
+    return sum(check_structure(c, where, depth + 1) for c in structure.children)
+
+
+class _Chunk:
+    """A chunk received on an insert stream: its steps as an array."""
+
+    __slots__ = ("array", "episode_id")
+
+    def __init__(self, array: np.ndarray, episode_id: int):
+        self.array = array
+        self.episode_id = episode_id
+
+
+def _item_to_insert_type():
+    from gear_server.table import ItemToInsert
+
+    return ItemToInsert
+
+
+def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> Any:
+    """Validate one PrioritizedItem against the stream's chunks and build the table's ItemToInsert."""
+    where = f"item {item.key} for table '{item.table}'"
+    if math.isnan(item.priority):
+        raise BadRequest(f"{where}: priority is NaN")
+    if item.priority < 0:
+        raise BadRequest(f"{where}: priority {item.priority} is negative")
+    if not item.columns:
+        raise BadRequest(f"{where}: empty trajectory (no columns)")
+    leaves = check_structure(item.structure, where)
+    if leaves != len(item.columns):
+        raise BadRequest(f"{where}: structure has {leaves} leaves but the item has {len(item.columns)} columns")
+    columns = []
+    squeeze = []
+    episodes = set()
+    for c, column in enumerate(item.columns):
+        if not column.slices:
+            raise BadRequest(f"{where}: column {c} is empty")
+        parts = []
+        for s in column.slices:
+            chunk = chunks.get(s.chunk_key)
+            if chunk is None:
+                raise BadRequest(f"{where}: column {c} references unknown chunk {s.chunk_key}")
+            steps = chunk.array.shape[0]
+            if s.offset < 0 or s.length < 1 or s.offset + s.length > steps:
+                raise BadRequest(f"{where}: column {c} slice [{s.offset}, {s.offset + s.length}) is outside "
+                                 f"chunk {s.chunk_key} of {steps} steps")
+            part = chunk.array[s.offset:s.offset + s.length]
+            if parts and (part.dtype != parts[0].dtype or part.shape[1:] != parts[0].shape[1:]):
+                raise BadRequest(f"{where}: column {c} joins chunks of different dtype/shape "
+                                 f"({parts[0].dtype}{parts[0].shape[1:]} vs {part.dtype}{part.shape[1:]})")
+            parts.append(part)
+            episodes.add(chunk.episode_id)
+        data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if column.squeeze:
+            if data.shape[0] != 1:
+                raise BadRequest(f"{where}: column {c} is squeezed but spans {data.shape[0]} steps")
+            data = data[0, ...]  # a 0-d array for scalar steps, not a numpy scalar
+        columns.append(data)
+        squeeze.append(bool(column.squeeze))
+    item_type = _item_to_insert_type()
+    return item_type(key=int(item.key), priority=float(item.priority), structure=item.structure,
+                     columns=columns, squeeze=squeeze, episode_ids=frozenset(episodes))
+
+
+# ------------------------------------------------------------ sample encoding ----
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field(tag_byte: int, length: int) -> bytes:
+    """A length-delimited field's key and length prefix (field numbers < 16)."""
+    return bytes((tag_byte,)) + _varint(length)
+
+
+_TAG_BATCH = 0x0A      # SampleResponse.batch = 1
+_TAG_COLUMNS = 0x12    # SampleBatch.columns = 2
+_TAG_DATA = 0x1A       # Tensor.data = 3
+
+
+def encode_sample_response(infos: list[pb.SampleInfo], lengths: np.ndarray, structure: pb.Structure,
+                           squeeze: list[bool], columns: list[tuple[np.dtype, tuple[int, ...], list]]) -> bytes:
+    """A serialized SampleResponse whose column data are joined from buffers without intermediate copies.
+
+    ``columns``: per column (dtype, per-step shape, list of bytes-like parts whose
+    concatenation is the items' steps). ``lengths``: int32 [items, columns].
+    Protobuf merges repeated occurrences of an embedded message field, so the
+    small fields are serialized by protobuf and the columns appended by hand.
+    """
+    head = pb.SampleBatch(info=infos, lengths=lengths.reshape(-1).tolist(), structure=structure,
+                          squeeze=squeeze).SerializeToString()
+    pieces: list[Any] = [None, head]
+    batch_len = len(head)
+    totals = lengths.sum(axis=0) if lengths.size else np.zeros(len(columns), np.int64)
+    for c, (dtype, shape, parts) in enumerate(columns):
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        tensor_head = pb.Tensor(dtype=dtype.str, shape=[int(totals[c]), *shape]).SerializeToString()
+        data_prefix = _field(_TAG_DATA, nbytes)
+        tensor_len = len(tensor_head) + len(data_prefix) + nbytes
+        column_prefix = _field(_TAG_COLUMNS, tensor_len) + tensor_head + data_prefix
+        pieces.append(column_prefix)
+        pieces.extend(parts)
+        batch_len += len(column_prefix) + nbytes
+    pieces[0] = _field(_TAG_BATCH, batch_len)
+    return b"".join(pieces)
+
+
+def items_per_message(item_bytes: int) -> int:
+    """How many items of ``item_bytes`` bytes go in one SampleResponse."""
+    if item_bytes <= 0:
+        return MAX_ITEMS_PER_SAMPLE_MESSAGE
+    return int(max(1, min(MAX_ITEMS_PER_SAMPLE_MESSAGE, TARGET_SAMPLE_MESSAGE_BYTES // item_bytes)))
+
+
+# ------------------------------------------------------------ the servicer ----
+
+class ReplayService:
+    """The ReplayService RPCs over a dict of tables (register with ``add_to_server``)."""
+
+    def __init__(self, tables: Mapping[str, Any], *, host_id: str = "", version: str = "",
+                 checkpoint: Callable[[], str] | None = None, data_planes: Any = None):
+        self.tables = dict(tables)
+        self.host_id = host_id
+        self.version = version
+        self.checkpoint_fn = checkpoint
+        self.data_planes = data_planes
+        self._stopping = threading.Event()
+
+    def stopping(self) -> None:
+        """The daemon is stopping: blocked calls give up at their next poll."""
+        self._stopping.set()
+
+    # -------------------------------------------------------------- helpers
+    def _table(self, name: str, context: grpc.ServicerContext) -> Any:
+        table = self.tables.get(name)
+        if table is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(TableNotFoundError(name)))
+        return table
+
+    def _blocking(self, call: Callable[[float | None], Any], deadline: float | None,
+                  context: grpc.ServicerContext) -> Any:
+        """Run ``call(timeout)`` until it succeeds, the deadline passes or the RPC ends.
+
+        The tables block on their rate limiters with a timeout; a short one,
+        repeated, lets the call notice a cancelled RPC or a stopping daemon.
+        """
+        while True:
+            now = time.monotonic()
+            step = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S, max(0.0, deadline - now))
+            try:
+                return call(step)
+            except RateLimiterTimeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                if not context.is_active():
+                    raise _CallEnded() from None
+                if self._stopping.is_set():
+                    raise TableClosedError("the daemon is stopping") from None
+
+    @staticmethod
+    def _abort_for(error: BaseException, context: grpc.ServicerContext) -> None:
+        """End the call with the status that matches a table error."""
+        if isinstance(error, TableNotFoundError):
+            context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        if isinstance(error, RateLimiterTimeout):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "rate limiter timeout")
+        if isinstance(error, TableClosedError):
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error) or "table closed: the daemon is stopping")
+        if isinstance(error, (ValueError, TypeError)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise error
+
+    # -------------------------------------------------------------- inserts
+    def InsertStream(self, request_iterator: Iterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
+                     context: grpc.ServicerContext) -> Iterator[pb.InsertStreamResponse]:
+        chunks: dict[int, _Chunk] = {}
+        for n, request in enumerate(request_iterator):
+            try:
+                for chunk in request.chunks:
+                    chunks[chunk.chunk_key] = _Chunk(
+                        tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1), chunk.episode_id)
+                prepared = []
+                for item in request.items:
+                    table = self.tables.get(item.table)
+                    if table is None:
+                        context.abort(grpc.StatusCode.NOT_FOUND, str(TableNotFoundError(item.table)))
+                    prepared.append((table, build_item(item, chunks)))
+            except BadRequest as e:
+                log.info("InsertStream request %d refused: %s", n, e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            keys = []
+            for table, item in prepared:
+                try:
+                    self._blocking(lambda t, table=table, item=item: table.insert(item, timeout=t), None, context)
+                except _CallEnded:
+                    return
+                except Exception as e:  # noqa: BLE001 (mapped to a status below)
+                    if keys:
+                        yield pb.InsertStreamResponse(keys=keys)
+                    log.info("InsertStream insert into '%s' refused: %s", table.name, e)
+                    self._abort_for(e, context)
+                keys.append(item.key)
+            for key in request.release_chunk_keys:
+                chunks.pop(key, None)
+            if keys:
+                yield pb.InsertStreamResponse(keys=keys)
+
+    # -------------------------------------------------------------- samples
+    def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+        """Streams serialized SampleResponses (registered with an identity serializer)."""
+        table = self._table(request.table, context)
+        if request.num_samples < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_samples ({request.num_samples}) must be >= 1")
+        if request.max_items_per_message < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_items_per_message must be >= 0")
+        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
+        remaining = int(request.num_samples)
+        per_message = int(request.max_items_per_message) or None
+        while remaining > 0:
+            want = min(remaining, per_message or _guess_items_per_message(table))
+            try:
+                selection = self._blocking(lambda t, want=want: table.sample(want, timeout=t), deadline, context)
+            except _CallEnded:
+                return
+            except Exception as e:  # noqa: BLE001
+                self._abort_for(e, context)
+            try:
+                message = encode_selection(table, selection)
+            finally:
+                table.release(selection.lease_id)
+            remaining -= len(selection.keys)
+            yield message
+
+    # -------------------------------------------------------------- the rest
+    def MutatePriorities(self, request: pb.MutatePrioritiesRequest,  # noqa: N802
+                         context: grpc.ServicerContext) -> pb.MutatePrioritiesResponse:
+        table = self._table(request.table, context)
+        updates = {}
+        for u in request.updates:
+            if math.isnan(u.priority) or u.priority < 0:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"priority of key {u.key} must be a non-negative number, got {u.priority}")
+            updates[int(u.key)] = float(u.priority)
+        try:
+            table.mutate_priorities(updates, [int(k) for k in request.delete_keys])
+        except Exception as e:  # noqa: BLE001
+            self._abort_for(e, context)
+        return pb.MutatePrioritiesResponse()
+
+    def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:  # noqa: N802
+        table = self._table(request.table, context)
+        try:
+            table.reset()
+        except Exception as e:  # noqa: BLE001
+            self._abort_for(e, context)
+        return pb.ResetResponse()
+
+    def ServerInfo(self, request: pb.ServerInfoRequest,  # noqa: N802
+                   context: grpc.ServicerContext) -> pb.ServerInfoResponse:
+        return pb.ServerInfoResponse(table_info=[t.info() for t in self.tables.values()], version=self.version,
+                                     host_id=self.host_id)
+
+    def CheckRateLimiter(self, request: pb.RateLimiterCheckRequest,  # noqa: N802
+                         context: grpc.ServicerContext) -> pb.RateLimiterCheckResponse:
+        table = self._table(request.table, context)
+        if request.num_samples < 0 or request.num_inserts < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_samples and num_inserts must be >= 0")
+        response = pb.RateLimiterCheckResponse()
+        if request.num_samples:
+            response.can_sample = table.can_sample(int(request.num_samples))
+        if request.num_inserts:
+            response.can_insert = table.can_insert(int(request.num_inserts))
+        return response
+
+    def Checkpoint(self, request: pb.CheckpointRequest,  # noqa: N802
+                   context: grpc.ServicerContext) -> pb.CheckpointResponse:
+        if self.checkpoint_fn is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon has no checkpoint directory configured")
+        try:
+            path = self.checkpoint_fn()
+        except (ValueError, OSError) as e:
+            log.warning("checkpoint failed: %s", e)
+            context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {e}")
+        return pb.CheckpointResponse(path=path)
+
+    def _plane(self, name: str, request: Any, context: grpc.ServicerContext) -> Any:
+        if self.data_planes is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "data planes are not available on this daemon")
+        return getattr(self.data_planes, name)(request, context)
+
+    def OpenDataPlane(self, request, context):  # noqa: N802
+        return self._plane("open", request, context)
+
+    def Select(self, request, context):  # noqa: N802
+        return self._plane("select", request, context)
+
+    def Release(self, request, context):  # noqa: N802
+        return self._plane("release", request, context)
+
+    def CloseDataPlane(self, request, context):  # noqa: N802
+        return self._plane("close", request, context)
+
+    # -------------------------------------------------------------- registration
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """Handlers for every RPC; Sample sends pre-serialized bytes."""
+        def unary(fn, req):
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=req.FromString, response_serializer=_serialize)
+        return {
+            "InsertStream": grpc.stream_stream_rpc_method_handler(
+                self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString,
+                response_serializer=_serialize),
+            "Sample": grpc.unary_stream_rpc_method_handler(
+                self.Sample, request_deserializer=pb.SampleRequest.FromString, response_serializer=_identity),
+            "MutatePriorities": unary(self.MutatePriorities, pb.MutatePrioritiesRequest),
+            "Reset": unary(self.Reset, pb.ResetRequest),
+            "ServerInfo": unary(self.ServerInfo, pb.ServerInfoRequest),
+            "CheckRateLimiter": unary(self.CheckRateLimiter, pb.RateLimiterCheckRequest),
+            "Checkpoint": unary(self.Checkpoint, pb.CheckpointRequest),
+            "OpenDataPlane": unary(self.OpenDataPlane, pb.OpenDataPlaneRequest),
+            "Select": unary(self.Select, pb.SelectRequest),
+            "Release": unary(self.Release, pb.ReleaseRequest),
+            "CloseDataPlane": unary(self.CloseDataPlane, pb.CloseDataPlaneRequest),
+        }
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, self.method_handlers()),))
+
+
+class _CallEnded(Exception):
+    """The client cancelled the call (or its deadline passed) while it waited."""
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+def _guess_items_per_message(table: Any) -> int:
+    layout = table.layout()
+    if layout is None:
+        return MAX_ITEMS_PER_SAMPLE_MESSAGE
+    return items_per_message(sum(c.step_bytes * max(1, c.max_length) for c in layout.columns))
+
+
+def encode_selection(table: Any, selection: Any) -> bytes:
+    """The serialized SampleResponse of a leased selection (read while the lease holds)."""
+    infos = [pb.SampleInfo(key=int(k), probability=float(p), table_size=int(s), priority=float(q),
+                           times_sampled=int(t))
+             for k, p, s, q, t in zip(selection.keys.tolist(), selection.probabilities.tolist(),
+                                      selection.table_sizes.tolist(), selection.priorities.tolist(),
+                                      selection.times_sampled.tolist(), strict=True)]
+    lengths = np.asarray(selection.lengths, dtype=np.int32)
+    layout = table.layout()
+    parts = slot_parts(table, selection)
+    columns = []
+    squeeze = []
+    for c, col in enumerate(layout.columns):
+        columns.append((col.dtype, col.shape, parts[c]))
+        squeeze.append(bool(col.squeeze))
+    structure = layout.structure
+    return encode_sample_response(infos, lengths.reshape(len(infos), len(columns)), structure, squeeze, columns)
+
+
+def slot_parts(table: Any, selection: Any) -> list[list]:
+    """Per column, the selected items' bytes: memoryviews of the leased slots when the table exposes them."""
+    reader = getattr(table, "slot_views", None)
+    if reader is not None:
+        return reader(selection)
+    return [[np.ascontiguousarray(a)] for a in table.read(selection)]

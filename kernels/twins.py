@@ -1,0 +1,197 @@
+"""NumPy twins of the selection and collection kernels.
+
+Each function computes what its kernel computes, with the same semantics and,
+where the kernel's arithmetic is the same IEEE operations in the same order,
+the same bits: the weight scan is folded tile by tile exactly as the kernel
+folds it, and random numbers come from the same counter-based generator
+(rng.py). The twins are the reference in tests and the path taken where there
+is no GPU. Inputs are the table's metadata arrays, indexed by slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import rng
+
+# Mirrors select.cu.
+SCAN_THREADS = 256
+SCAN_ITEMS = 16
+SCAN_TILE = SCAN_THREADS * SCAN_ITEMS
+
+KEY_MAX_PRIORITY = 0  # highest priority; ties: least recently inserted or updated, then lowest slot
+KEY_MIN_PRIORITY = 1  # lowest priority; same ties
+KEY_OLDEST = 2  # smallest insert_seq (FIFO)
+KEY_NEWEST = 3  # largest insert_seq (LIFO)
+KEY_RANDOM = 4  # a random key per slot (uniform without replacement)
+KEY_MODES = {"max_priority": KEY_MAX_PRIORITY, "min_priority": KEY_MIN_PRIORITY, "oldest": KEY_OLDEST,
+             "newest": KEY_NEWEST, "random": KEY_RANDOM}
+
+_SIGN = np.uint64(1 << 63)
+
+
+def weights(priority: np.ndarray, valid: np.ndarray, exponent: float, uniform: bool = False) -> np.ndarray:
+    """Selection weight per slot: priority**exponent for valid slots, 0 for priority 0 (any exponent)."""
+    valid = np.asarray(valid, dtype=bool)
+    w = np.zeros(valid.shape[0], dtype=np.float64)
+    if uniform:
+        w[valid] = 1.0
+        return w
+    priority = np.asarray(priority, dtype=np.float64)
+    live = valid & (priority > 0)
+    if exponent == 1.0:
+        w[live] = priority[live]
+    elif exponent == 0.0:
+        w[live] = 1.0
+    else:
+        w[live] = np.power(priority[live], float(exponent))
+    return w
+
+
+def tiled_scan(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's two-level inclusive scan: (local_cum[n], block_prefix[nb + 1]).
+
+    local_cum restarts at each tile of SCAN_TILE slots; block_prefix folds the
+    tile sums. Same additions in the same order as gear_weight_scan.
+    """
+    n = w.shape[0]
+    nb = max(1, -(-n // SCAN_TILE))
+    padded = np.zeros(nb * SCAN_TILE, dtype=np.float64)
+    padded[:n] = w
+    run = np.cumsum(padded.reshape(nb, SCAN_THREADS, SCAN_ITEMS), axis=2)
+    incl = np.cumsum(run[:, :, -1], axis=1)
+    excl = np.zeros_like(incl)
+    excl[:, 1:] = incl[:, :-1]
+    cum = (excl[:, :, None] + run).reshape(-1)[:n]
+    block_prefix = np.zeros(nb + 1, dtype=np.float64)
+    block_prefix[1:] = np.cumsum(incl[:, -1])
+    return cum, block_prefix
+
+
+def weighted_sample(priority: np.ndarray, valid: np.ndarray, batch: int, state: int, counter0: int,
+                    exponent: float = 1.0, uniform: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Draw `batch` slots with replacement: (slots int64, probabilities float64).
+
+    Prioritized (uniform=False): probability w / sum(w); all-zero weights fall
+    back to uniform over the valid slots. Uniform: 1 / n_valid. Draw s uses
+    counter counter0 + s. No valid slot: every slot is -1, probability 0.
+    """
+    valid = np.asarray(valid, dtype=bool)
+    n_valid = int(np.count_nonzero(valid))
+    if n_valid == 0:
+        return np.full(batch, -1, dtype=np.int64), np.zeros(batch)
+    u = rng.random_unit(state, counter0, batch)
+    n = valid.shape[0]
+    w = weights(priority, valid, exponent, uniform)
+    cum, block_prefix = tiled_scan(w)
+    total = block_prefix[-1]
+    if uniform or not total > 0:
+        idx = np.minimum((u * float(n_valid)).astype(np.int64), n_valid - 1)
+        return np.flatnonzero(valid)[idx].astype(np.int64), np.full(batch, 1.0 / n_valid)
+    t = u * total
+    nb = block_prefix.shape[0] - 1
+    tile = np.searchsorted(block_prefix[1:], t, side="right")
+    tile[tile >= nb] = np.searchsorted(block_prefix[1:], total, side="left")
+    r = t - block_prefix[tile]
+    slots = np.empty(batch, dtype=np.int64)
+    for j in np.unique(tile):
+        pick = tile == j
+        lo, hi = int(j) * SCAN_TILE, min(n, (int(j) + 1) * SCAN_TILE)
+        local = cum[lo:hi]
+        i = np.searchsorted(local, r[pick], side="right")
+        i[i >= hi - lo] = np.searchsorted(local, local[-1], side="left")
+        slots[pick] = lo + i
+    return slots, w[slots] / total
+
+
+def order_f64(p: np.ndarray) -> np.ndarray:
+    """float64 -> uint64 keys with the same order (-0.0 taken as +0.0)."""
+    b = (np.asarray(p, dtype=np.float64) + 0.0).view(np.uint64)
+    return np.where((b >> np.uint64(63)) == 1, ~b, b | _SIGN)
+
+
+def order_i64(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64).view(np.uint64) ^ _SIGN
+
+
+def order_keys(mode: int, slots: np.ndarray, priority=None, insert_seq=None, update_seq=None,
+               state: int = 0, counter0: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The composite key (k0, k1, k2) of the given slots; larger is picked first."""
+    slots = np.asarray(slots, dtype=np.int64)
+    not_slot = ~slots.view(np.uint64)
+    zero = np.zeros(slots.shape[0], dtype=np.uint64)
+    if mode in (KEY_MAX_PRIORITY, KEY_MIN_PRIORITY):
+        k0 = order_f64(np.asarray(priority)[slots])
+        if mode == KEY_MIN_PRIORITY:
+            k0 = ~k0
+        return k0, ~order_i64(np.asarray(update_seq)[slots]), not_slot
+    if mode == KEY_OLDEST:
+        return ~order_i64(np.asarray(insert_seq)[slots]), not_slot, zero
+    if mode == KEY_NEWEST:
+        return order_i64(np.asarray(insert_seq)[slots]), not_slot, zero
+    if mode == KEY_RANDOM:
+        if slots.shape[0] == 0:
+            return zero, not_slot, zero
+        every = rng.random_u64(state, counter0, int(slots.max()) + 1)
+        return every[slots], not_slot, zero
+    raise ValueError(f"unknown key mode {mode}")
+
+
+def top_k(mode: int, k: int, valid: np.ndarray, priority=None, insert_seq=None, update_seq=None,
+          state: int = 0, counter0: int = 0) -> np.ndarray:
+    """The k valid slots with the largest composite keys, best first (int64[k]).
+
+    max_priority/min_priority order like Reverb's heaps (ties: least recently
+    inserted or updated first); oldest/newest like FIFO/LIFO; random gives a
+    uniform random k-subset in random order (uniform without replacement,
+    using counters counter0 + slot). k larger than the valid count: ValueError.
+    """
+    live = np.flatnonzero(np.asarray(valid, dtype=bool))
+    if k > live.shape[0]:
+        raise ValueError(f"top_k: k={k} exceeds the {live.shape[0]} valid slots")
+    k0, k1, k2 = order_keys(mode, live, priority, insert_seq, update_seq, state, counter0)
+    order = np.lexsort((k2, k1, k0))[::-1][:k]
+    return live[order].astype(np.int64)
+
+
+def argbest(mode: int, valid: np.ndarray, priority=None, insert_seq=None, update_seq=None) -> int:
+    """The single best valid slot by composite key (heaps, FIFO, LIFO); -1 when none is valid."""
+    live = np.flatnonzero(np.asarray(valid, dtype=bool))
+    if live.shape[0] == 0:
+        return -1
+    return int(top_k(mode, 1, valid, priority, insert_seq, update_seq)[0])
+
+
+def last_occurrences(slots: np.ndarray) -> np.ndarray:
+    """Indices of each distinct slot's last entry (duplicates: the last one wins)."""
+    slots = np.asarray(slots, dtype=np.int64)
+    _, first_in_reversed = np.unique(slots[::-1], return_index=True)
+    return np.sort(slots.shape[0] - 1 - first_in_reversed)
+
+
+def scatter(slots: np.ndarray, targets: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+    """targets[f][slots] = values[f] for each field; a duplicated slot takes its last entry."""
+    keep = last_occurrences(slots)
+    chosen = np.asarray(slots, dtype=np.int64)[keep]
+    for target, value in zip(targets, values, strict=True):
+        target[chosen] = np.asarray(value)[keep]
+
+
+def increment_times_sampled(times_sampled: np.ndarray, slots: np.ndarray) -> None:
+    """times_sampled[slot] += 1 per occurrence."""
+    np.add.at(times_sampled, np.asarray(slots, dtype=np.int64), 1)
+
+
+def window_bounds(length: np.ndarray, start: np.ndarray, window: int, max_length: int, pad_head: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src_first, n_valid, dst_first) per item, as gear_gather computes them."""
+    L = np.clip(np.asarray(length, dtype=np.int64), 0, max_length)
+    start = np.asarray(start, dtype=np.int64)
+    s0 = np.where(start >= 0, start, L + start)
+    src_first = np.maximum(s0, 0)
+    src_end = np.minimum(s0 + window, L)
+    n_valid = np.maximum(src_end - src_first, 0)
+    dst_first = window - n_valid if pad_head else np.zeros_like(n_valid)
+    return src_first, n_valid, dst_first

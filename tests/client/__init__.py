@@ -1,0 +1,1 @@
+"""Client-side tests: nests, specs, errors, writers."""

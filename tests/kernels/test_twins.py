@@ -1,0 +1,291 @@
+"""The NumPy twins of the selection and collection kernels, against plain references (no GPU needed)."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+from gear_kernels import (
+    CounterRng,
+    Window,
+    argbest,
+    gather,
+    gather_numpy,
+    increment_times_sampled,
+    output_plan,
+    sample_without_replacement,
+    scatter,
+    top_k,
+    twins,
+    weighted_sample,
+)
+from gear_kernels import rng as krng
+
+from gear_client.layout import TableLayout
+
+from ._stats import P_MIN, chi_square_p, counts
+
+MASK = (1 << 64) - 1
+
+
+def _splitmix_reference(seed: int, counter: int) -> int:
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+        return z ^ (z >> 31)
+
+    return mix((mix(seed) + (counter + 1) * 0x9E3779B97F4A7C15) & MASK)
+
+
+def test_counter_rng_matches_plain_python_splitmix():
+    seed, c0 = 0xDEADBEEF12345, 77
+    state = krng.seed_state(seed)
+    got = krng.random_u64(state, c0, 50)
+    assert [int(x) for x in got] == [_splitmix_reference(seed, c0 + i) for i in range(50)]
+    u = krng.random_unit(state, 0, 100_000)
+    assert u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.01
+
+
+def test_counter_rng_take_advances():
+    r = CounterRng(5)
+    assert r.take(10) == 0 and r.take(3) == 10 and r.counter == 13
+
+
+def test_tiled_scan_is_a_per_tile_cumsum():
+    w = np.random.default_rng(0).random(3 * twins.SCAN_TILE + 123)
+    cum, prefix = twins.tiled_scan(w)
+    for j in range(4):
+        lo, hi = j * twins.SCAN_TILE, min(w.shape[0], (j + 1) * twins.SCAN_TILE)
+        np.testing.assert_allclose(cum[lo:hi], np.cumsum(w[lo:hi]), rtol=1e-12)
+        assert np.all(np.diff(cum[lo:hi]) >= 0)
+        np.testing.assert_allclose(prefix[j + 1] - prefix[j], w[lo:hi].sum(), rtol=1e-12)
+    assert prefix[0] == 0.0
+
+
+def _table(n: int, seed: int, zero_fraction: float = 0.2, invalid_fraction: float = 0.2):
+    g = np.random.default_rng(seed)
+    priority = g.uniform(0.1, 3.0, n)
+    priority[g.random(n) < zero_fraction] = 0.0
+    valid = g.random(n) >= invalid_fraction
+    return priority, valid
+
+
+@pytest.mark.parametrize("exponent", [1.0, 0.6, 0.0, 2.5])
+def test_prioritized_twin_distribution_and_probabilities(exponent):
+    n, draws = 300, 400_000
+    priority, valid = _table(n, 1)
+    slots, probs = weighted_sample(priority, valid, draws, CounterRng(11), exponent=exponent)
+    w = np.where(valid & (priority > 0), np.power(priority, exponent), 0.0)
+    expected_p = w / w.sum()
+    assert np.all(w[slots] > 0), "a zero-weight or invalid slot was drawn"
+    np.testing.assert_allclose(probs, expected_p[slots], rtol=1e-12)
+    live = expected_p > 0
+    assert chi_square_p(counts(slots, n)[live], draws * expected_p[live]) >= P_MIN
+
+
+def test_all_zero_weights_fall_back_to_uniform_over_valid():
+    n, draws = 200, 200_000
+    _, valid = _table(n, 2)
+    priority = np.zeros(n)
+    slots, probs = weighted_sample(priority, valid, draws, CounterRng(3), exponent=1.0)
+    assert valid[slots].all()
+    np.testing.assert_array_equal(probs, 1.0 / valid.sum())
+    assert chi_square_p(counts(slots, n)[valid], np.full(valid.sum(), draws / valid.sum())) >= P_MIN
+
+
+def test_uniform_twin_picks_the_kth_valid_slot_exactly():
+    n, draws = 1000, 5000
+    _, valid = _table(n, 4)
+    r = CounterRng(9)
+    state = r.state
+    slots, probs = weighted_sample(None, valid, draws, r, uniform=True)
+    u = krng.random_unit(state, 0, draws)
+    idx = np.floor(u * valid.sum()).astype(np.int64)
+    np.testing.assert_array_equal(slots, np.flatnonzero(valid)[idx])
+    np.testing.assert_array_equal(probs, 1.0 / valid.sum())
+
+
+def test_same_seed_same_selection_and_counter_moves_on():
+    priority, valid = _table(5000, 5)
+    a = weighted_sample(priority, valid, 64, CounterRng(123), exponent=0.7)
+    b = weighted_sample(priority, valid, 64, CounterRng(123), exponent=0.7)
+    np.testing.assert_array_equal(a[0], b[0])
+    r = CounterRng(123)
+    weighted_sample(priority, valid, 64, r, exponent=0.7)
+    c = weighted_sample(priority, valid, 64, r, exponent=0.7)
+    assert not np.array_equal(a[0], c[0])
+
+
+def test_no_valid_slot_gives_minus_one():
+    slots, probs = weighted_sample(np.ones(10), np.zeros(10, bool), 4, CounterRng(1))
+    np.testing.assert_array_equal(slots, -1)
+    np.testing.assert_array_equal(probs, 0.0)
+
+
+def _heap_reference(priority, update_seq, valid, k, largest=True):
+    live = [i for i in range(len(valid)) if valid[i]]
+    sign = -1 if largest else 1
+    return sorted(live, key=lambda i: (sign * priority[i], update_seq[i], i))[:k]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_top_k_orders_like_reverb_heaps(largest):
+    g = np.random.default_rng(6)
+    n = 2000
+    priority = g.choice([0.0, 0.5, 1.0, 2.0, 7.25], n)  # many ties
+    update_seq = g.permutation(n).astype(np.int64)
+    valid = g.random(n) < 0.8
+    for k in (1, 17, 500, int(valid.sum())):
+        got = top_k("max_priority" if largest else "min_priority", k, valid, priority=priority,
+                    update_seq=update_seq)
+        assert got.tolist() == _heap_reference(priority, update_seq, valid, k, largest)
+    best = argbest("max_priority" if largest else "min_priority", valid, priority=priority, update_seq=update_seq)
+    assert best == _heap_reference(priority, update_seq, valid, 1, largest)[0]
+
+
+def test_fifo_lifo_orders_and_empty():
+    g = np.random.default_rng(7)
+    n = 500
+    insert_seq = g.permutation(n).astype(np.int64) * 3
+    valid = g.random(n) < 0.5
+    live = np.flatnonzero(valid)
+    oldest = live[np.argsort(insert_seq[live])]
+    assert top_k("oldest", 10, valid, insert_seq=insert_seq).tolist() == oldest[:10].tolist()
+    assert top_k("newest", 10, valid, insert_seq=insert_seq).tolist() == oldest[::-1][:10].tolist()
+    assert argbest("oldest", valid, insert_seq=insert_seq) == oldest[0]
+    assert argbest("newest", valid, insert_seq=insert_seq) == oldest[-1]
+    assert argbest("oldest", np.zeros(n, bool), insert_seq=insert_seq) == -1
+
+
+def test_top_k_rejects_k_above_valid_count_and_unknown_order():
+    valid = np.array([True, False, True])
+    with pytest.raises(ValueError, match="exceeds"):
+        top_k("max_priority", 3, valid, priority=np.ones(3), update_seq=np.arange(3))
+    with pytest.raises(ValueError, match="unknown selection order"):
+        top_k("sideways", 1, valid)
+
+
+def test_sample_without_replacement_is_a_uniform_subset():
+    n, k, rounds = 50, 10, 20_000
+    valid = np.ones(n, bool)
+    valid[[3, 17]] = False
+    r = CounterRng(8)
+    hits = np.zeros(n)
+    for _ in range(rounds):
+        got = sample_without_replacement(valid, k, r)
+        assert len(set(got.tolist())) == k and valid[got].all()
+        hits[got] += 1
+    live = valid
+    assert chi_square_p(hits[live], np.full(live.sum(), rounds * k / live.sum())) >= P_MIN
+
+
+def test_scatter_last_entry_wins_and_increments_count_duplicates():
+    priority = np.zeros(8)
+    update_seq = np.zeros(8, np.int64)
+    slots = np.array([1, 5, 1, 7, 5])
+    scatter(slots, {"priority": priority, "update_seq": update_seq},
+            {"priority": [1.0, 2.0, 3.0, 4.0, 5.0], "update_seq": [10, 11, 12, 13, 14]})
+    assert priority.tolist() == [0, 3.0, 0, 0, 0, 5.0, 0, 4.0]
+    assert update_seq.tolist() == [0, 12, 0, 0, 0, 14, 0, 13]
+    ts = np.zeros(8, np.int32)
+    increment_times_sampled(ts, np.array([2, 2, 2, 6]))
+    assert ts.tolist() == [0, 0, 3, 0, 0, 0, 1, 0]
+    with pytest.raises(ValueError, match="unknown fields"):
+        scatter(slots, {"prio": priority}, {"prio": priority})
+
+
+# ---------------------------------------------------------------------------- gather twin
+
+def _layout(capacity: int, segment: str = "") -> TableLayout:
+    return TableLayout.build("t", segment, capacity, [
+        ("obs", np.float32, (3,), 9, False),  # 12-byte steps: unaligned windows
+        ("tag", np.uint8, (5,), 4, False),  # 5-byte steps
+        ("pair", np.float64, (7, 2), 6, False),
+        ("r", np.int16, (), 1, True),
+        ("big", np.uint8, (4096,), 3, False),
+    ])
+
+
+def _segment(layout: TableLayout, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, layout.segment_size, dtype=np.uint8)
+
+
+def _expected_rows(layout, seg, c, slots, lengths, window: Window):
+    col = layout.columns[c]
+    view = layout.column_view(seg, c)
+    W = window.length or col.max_length
+    rows = np.zeros((len(slots), W, *col.shape), dtype=col.dtype)
+    nvalid = np.zeros(len(slots), np.int32)
+    starts = np.broadcast_to(np.asarray(window.start), (len(slots),))
+    for b, slot in enumerate(slots):
+        L = int(min(max(lengths[b, c], 0), col.max_length))
+        s = int(starts[b])
+        s0 = s if s >= 0 else L + s
+        steps = [t for t in range(s0, s0 + W) if 0 <= t < L]
+        nvalid[b] = len(steps)
+        at = W - len(steps) if window.pad == "head" else 0
+        for i, t in enumerate(steps):
+            rows[b, at + i] = view[slot, t]
+    return rows, nvalid
+
+
+def _windows_under_test(batch: int, g: np.random.Generator):
+    return [
+        Window(),
+        Window(length=4, start=-4, pad="head"),
+        Window(length=5, start=1, pad="tail"),
+        Window(length=2, start=g.integers(-3, 4, batch), pad="head"),
+        Window(length=7, start=-7, pad="tail"),
+    ]
+
+
+def test_gather_twin_matches_step_by_step_reference():
+    layout = _layout(40)
+    seg = _segment(layout, 1)
+    g = np.random.default_rng(2)
+    batch = 23
+    slots = g.integers(0, layout.capacity, batch)
+    lengths = np.stack([g.integers(0, c.max_length + 1, batch) for c in layout.columns], axis=1).astype(np.int32)
+    lengths[0, :] = 999  # over max_length: clamped
+    windows = _windows_under_test(batch, g)
+    _, total = output_plan(layout, batch, windows=windows)
+    out = np.full(total, 0xA5, dtype=np.uint8)  # poisoned: padding must be written
+    got = gather_numpy(layout, seg, slots, lengths, windows, out=out)
+    for c in range(len(layout.columns)):
+        rows, nvalid = _expected_rows(layout, seg, c, slots, lengths, windows[c])
+        assert got.columns[c].shape == rows.shape
+        np.testing.assert_array_equal(got.columns[c].view(np.uint8), rows.view(np.uint8))
+        np.testing.assert_array_equal(got.lengths[:, c], nvalid)
+
+
+def test_gather_without_registration_reads_an_mmap_through_the_twin():
+    layout = _layout(8)
+    seg = _segment(layout, 3)
+    mm = mmap.mmap(-1, layout.segment_size)
+    mm[:] = seg.tobytes()
+    slots = np.array([7, 0, 3])
+    lengths = np.tile([[9, 4, 6, 1, 3]], (3, 1)).astype(np.int32)
+    got = gather(layout, mm, slots, lengths, columns=[4, 0])
+    assert got.column_indices == (4, 0)
+    np.testing.assert_array_equal(got.columns[0], layout.column_view(seg, 4)[slots])
+    np.testing.assert_array_equal(got.columns[1].view(np.uint8), layout.column_view(seg, 0)[slots].view(np.uint8))
+    del got
+    mm.close()
+
+
+def test_gather_rejects_bad_input():
+    layout = _layout(4)
+    seg = _segment(layout, 4)
+    lengths = np.ones((2, 5), np.int32)
+    with pytest.raises(ValueError, match="slots must lie"):
+        gather_numpy(layout, seg, [0, 4], lengths)
+    with pytest.raises(ValueError, match="lengths must have shape"):
+        gather_numpy(layout, seg, [0, 1], np.ones((2, 4), np.int32))
+    with pytest.raises(ValueError, match="pad"):
+        Window(pad="middle")
+    with pytest.raises(ValueError, match="segment holds"):
+        gather_numpy(layout, seg[:100], [0, 1], lengths)
+    with pytest.raises(ValueError, match="windows for"):
+        gather_numpy(layout, seg, [0, 1], lengths, [Window()] * 2)

@@ -1,0 +1,107 @@
+"""sd_notify over a real Unix datagram socket; logging setup and the failed-call summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gear_server import sd_notify
+from gear_server.logs import ErrorSummary, LoggingSettings
+
+
+def _receiver(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.settimeout(5)
+    return sock
+
+
+def test_ready_status_stopping_reach_the_notify_socket(tmp_path, monkeypatch):
+    path = str(tmp_path / "notify.sock")
+    with _receiver(path) as sock:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        assert sd_notify.status("restoring checkpoint")
+        assert sd_notify.ready("serving 2 tables")
+        assert sd_notify.extend_timeout(90)
+        assert sd_notify.stopping()
+        messages = [sock.recv(4096).decode() for _ in range(4)]
+    assert messages[0] == "STATUS=restoring checkpoint"
+    assert messages[1].split("\n") == ["READY=1", f"MAINPID={os.getpid()}", "STATUS=serving 2 tables"]
+    assert messages[2] == "EXTEND_TIMEOUT_USEC=90000000"
+    assert messages[3] == "STOPPING=1"
+
+
+def test_abstract_socket_and_no_socket(monkeypatch):
+    name = f"gear-test-{os.getpid()}"
+    with _receiver("\0" + name) as sock:
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert sd_notify.ready()
+        assert sock.recv(4096).decode().startswith("READY=1\n")
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert sd_notify.ready() is False  # outside systemd: a no-op
+
+
+def test_a_dead_notify_socket_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
+    with caplog.at_level(logging.WARNING):
+        assert sd_notify.ready() is False
+    assert "sd_notify" in caplog.text
+
+
+def _log_in_child(env: dict[str, str], settings: str) -> str:
+    code = ("import logging; from gear_server.logs import LoggingSettings, configure_logging; "
+            f"configure_logging(LoggingSettings.from_toml({settings})); "
+            "logging.getLogger('gear_server.daemon').info('checkpoint written path=/x'); "
+            "logging.getLogger('gear_server.daemon').debug('hidden'); "
+            "logging.getLogger('grpc').warning('quiet'); logging.getLogger('gear_server').error('bad')")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stderr
+
+
+def test_journal_lines_carry_syslog_priorities_and_levels_come_from_config():
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    journal = _log_in_child({**env, "JOURNAL_STREAM": "8:1234"}, "{'level': 'info', 'loggers': {'grpc': 'error'}}")
+    assert journal.splitlines() == ["<6>gear_server.daemon: checkpoint written path=/x", "<3>gear_server: bad"]
+    text = _log_in_child(env, "{'level': 'DEBUG'}")
+    lines = text.splitlines()
+    assert len(lines) == 4 and " INFO gear_server.daemon: checkpoint written path=/x" in lines[0]
+    assert lines[0][:4].isdigit() and "DEBUG" in lines[1]
+
+
+def test_logging_settings_are_checked():
+    with pytest.raises(ValueError, match="level must be one of"):
+        LoggingSettings.from_toml({"level": "LOUD"})
+    with pytest.raises(ValueError, match="format"):
+        LoggingSettings.from_toml({"format": "xml"})
+    with pytest.raises(ValueError, match="unknown key"):
+        LoggingSettings.from_toml({"lvl": "INFO"})
+    assert LoggingSettings.from_toml({"level": "warning"}).level == "WARNING"
+
+
+def test_error_summary_aggregates_and_grades(caplog):
+    summary = ErrorSummary(interval_s=0.05, logger=logging.getLogger("gear_server.test"))
+    with caplog.at_level(logging.INFO, logger="gear_server.test"):
+        for _ in range(3):
+            summary.record("Sample", "NOT_FOUND")
+        summary.record("Sample", "CANCELLED")  # a client hanging up is not an error
+        summary.record("InsertStream", "INVALID_ARGUMENT")
+        summary.start()
+        for _ in range(100):
+            if caplog.records:
+                break
+            threading.Event().wait(0.02)
+        summary.record("Select", "INTERNAL")
+        summary.stop()
+    assert len(caplog.records) == 2
+    first, second = caplog.records
+    assert first.levelno == logging.INFO
+    assert "4 (Sample NOT_FOUND x3, InsertStream INVALID_ARGUMENT x1)" in first.getMessage()
+    assert second.levelno == logging.WARNING and "Select INTERNAL x1" in second.getMessage()
+
