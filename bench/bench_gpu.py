@@ -31,7 +31,8 @@ import time
 
 import gear_kernels as gk
 import numpy as np
-from gear_kernels import twins
+from gear_kernels import selection, twins
+from gear_kernels._replay import Replay
 from gear_kernels.gather import GatherPlan
 from gear_kernels.offload import WeightOffload
 
@@ -110,6 +111,11 @@ def shm_segment(nbytes: int, seed: int):
     return mm
 
 
+def _launch_many(plan: GatherPlan, out, times: int) -> None:
+    for _ in range(times):
+        plan.launch(out)
+
+
 def bench_gather(cp, ceiling: float, quick: bool) -> list[dict]:
     rows = []
     items = [4 << 10, 64 << 10, 256 << 10, 1 << 20]
@@ -128,7 +134,9 @@ def bench_gather(cp, ceiling: float, quick: bool) -> list[dict]:
                 out = cp.empty(plan.total_bytes, dtype=cp.uint8)
                 nbytes = batch * item
                 reps = 5 if quick else 20
-                t_kernel = median_events(cp, lambda plan=plan, out=out: plan.launch(out), reps)
+                # Back-to-back launches between two events: the host's launch overhead overlaps the
+                # previous launch, as in a learner that pipelines its batches.
+                t_kernel = median_events(cp, functools.partial(_launch_many, plan, out, 10), reps) / 10
 
                 def end_to_end(slots=slots, lengths=lengths, out=out, reg=reg, layout=layout):
                     gk.gather(layout, reg, slots, lengths, out=out)
@@ -164,6 +172,56 @@ def filled_prioritized(n: int, weights_of: np.ndarray):
     return sel
 
 
+def _kernels_many(cp, priority, valid, batch: int, exponent: float, times: int) -> None:
+    """The selection kernels alone, back to back (device time once launch overhead overlaps)."""
+    n = valid.shape[0]
+    ws = selection._workspace(cp, n)
+    out = ws.__dict__.setdefault(("bench_out", batch), cp.empty(2 * batch, dtype=cp.int64))
+    for i in range(times):
+        selection._launch_weighted(ws, priority, valid, n, exponent, np.int32(0), 1, i * batch, None, batch,
+                                   out[:batch], out[batch:].view(cp.float64))
+
+
+def _scan_many(cp, ws, dp, dv, exponent: float, times: int) -> None:
+    scan = selection.kernel("select", "gear_weight_scan")
+    for _ in range(times):
+        scan((ws.nb,), (256,), (dp, dv, np.int64(ws.n), np.float64(exponent), np.int32(0), ws.sub_prefix,
+                                ws.block_sum, ws.block_count, ws.block_prefix, ws.count_prefix, ws.counters[0:1]))
+
+
+def _search_many(cp, ws, dp, dv, exponent: float, out, batch: int, times: int) -> None:
+    search = selection.kernel("select", "gear_weighted_search")
+    for i in range(times):
+        search((batch // 256,), (256,), (dp, dv, np.int64(ws.n), np.float64(exponent), np.int32(0), ws.sub_prefix,
+                                         ws.block_sum, ws.block_prefix, ws.count_prefix, np.int64(ws.nb), np.uint64(1),
+                                         np.uint64(i * batch), np.uint64(0), np.int64(batch), out[:batch],
+                                         out[batch:].view(cp.float64)))
+
+
+def _graph_time(cp, launches, reps: int = 5) -> float:
+    """Median seconds of a CUDA graph holding what `launches()` enqueues (no host launch overhead inside)."""
+    replay = Replay(cp, 0, 0, lambda dev_in, dev_out: launches())
+    return median_events(cp, functools.partial(replay.graph.launch, cp.cuda.get_current_stream()), reps)
+
+
+def bench_diag(cp) -> list[dict]:
+    """Where selection time goes: each kernel alone, back to back, by exponent and size (B = 4096)."""
+    rows = []
+    batch = 4096
+    for n in (1 << 20, 1 << 24):
+        dp = cp.asarray(np.random.default_rng(5).uniform(0.01, 10.0, n))
+        dv = cp.ones(n, dtype=cp.bool_)
+        ws = selection._workspace(cp, n)
+        out = cp.empty(2 * batch, dtype=cp.int64)
+        for exponent in (1.0, 0.6):
+            _scan_many(cp, ws, dp, dv, exponent, 1)  # load the kernels outside any capture
+            _search_many(cp, ws, dp, dv, exponent, out, batch, 1)
+            t_scan = _graph_time(cp, functools.partial(_scan_many, cp, ws, dp, dv, exponent, 20)) / 20
+            t_search = _graph_time(cp, functools.partial(_search_many, cp, ws, dp, dv, exponent, out, batch, 20)) / 20
+            rows.append({"n": n, "exponent": exponent, "scan_us": t_scan * 1e6, "search_us": t_search * 1e6})
+    return rows
+
+
 def bench_selection(cp, quick: bool) -> list[dict]:
     rows = []
     for n in (1 << 20, 1 << 24):
@@ -175,15 +233,19 @@ def bench_selection(cp, quick: bool) -> list[dict]:
         rng = gk.CounterRng(1)
         for batch in (256, 4096, 65536):
             reps = 10 if quick else 50
-            t_e2e = median_wall(functools.partial(gk.weighted_sample, dp, dv, batch, rng, exponent=0.6, host=True),
-                                reps)
-            t_dev = median_events(cp, functools.partial(gk.weighted_sample, dp, dv, batch, rng, exponent=0.6), reps)
+            draw = functools.partial(gk.weighted_sample, dp, dv, batch, rng, exponent=0.6, host=True)
+            t_e2e = median_wall(draw, reps)
+            selection.USE_GRAPHS = False
+            t_e2e_plain = median_wall(draw, reps)
+            selection.USE_GRAPHS = True
+            t_dev = median_events(cp, functools.partial(_kernels_many, cp, dp, dv, batch, 0.6, 10), reps) / 10
             t_twin = median_wall(functools.partial(twins.weighted_sample, priority, valid, batch, 1, 0, 0.6), 2, 1)
             t_cpu = None
             if sel is not None:
                 t_cpu = median_wall(functools.partial(sel.sample, batch, np.random.default_rng(0)),
                                     3 if batch > 4096 else 10, 1)
-            rows.append({"n": n, "batch": batch, "gpu_e2e_us": t_e2e * 1e6, "gpu_device_us": t_dev * 1e6,
+            rows.append({"n": n, "batch": batch, "gpu_e2e_us": t_e2e * 1e6, "gpu_e2e_no_graph_us": t_e2e_plain * 1e6,
+                         "gpu_device_us": t_dev * 1e6,
                          "twin_us": t_twin * 1e6, "cpu_structure_us": None if t_cpu is None else t_cpu * 1e6})
     return rows
 
@@ -205,6 +267,9 @@ def bench_updates(cp, quick: bool) -> dict:
         cp.cuda.get_current_stream().synchronize()
 
     t_gpu = median_wall(gpu, reps)
+    selection.USE_GRAPHS = False
+    t_plain = median_wall(gpu, reps)
+    selection.USE_GRAPHS = True
     t_twin = median_wall(lambda: twins.scatter(keys[0], [host], [vals[0]]), 20)
     d_keys, d_vals = cp.asarray(keys[0]), cp.asarray(vals[0])
     t_dev = median_events(cp, lambda: gk.scatter(d_keys, {"priority": dev}, {"priority": d_vals}), reps)
@@ -212,7 +277,8 @@ def bench_updates(cp, quick: bool) -> dict:
     t_cpu = None
     if sel is not None:
         t_cpu = median_wall(lambda: sel.update_many(keys[1], vals[1], np.arange(k)), 20)
-    return {"n": n, "keys": k, "gpu_e2e_us": t_gpu * 1e6, "gpu_device_us": t_dev * 1e6, "twin_us": t_twin * 1e6,
+    return {"n": n, "keys": k, "gpu_e2e_us": t_gpu * 1e6, "gpu_e2e_no_graph_us": t_plain * 1e6,
+            "gpu_device_us": t_dev * 1e6, "twin_us": t_twin * 1e6,
             "cpu_structure_us": None if t_cpu is None else t_cpu * 1e6}
 
 
@@ -241,46 +307,52 @@ def bench_order(cp, quick: bool) -> list[dict]:
 
 
 def bench_crossover(cp, quick: bool) -> list[dict]:
-    """Per table size and batch: the CPU structure, the twin and the GPU offload (with a batch of updates)."""
+    """Per table size and batch, one RL step on each path: B priority updates, then B draws."""
     rows = []
     sizes = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
     batches = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
     for n in sizes:
         g = np.random.default_rng(n + 1)
         priority = g.uniform(0.01, 10.0, n)
-        sel = filled_prioritized(n, priority)
-        if sel is None:
-            return rows
-        gpu = WeightOffload(sel._w, backend="gpu")
-        twin = WeightOffload(sel._w, backend="twin")
+        paths = {}
+        for name in ("cpu", "gpu", "twin"):
+            sel = filled_prioritized(n, priority)
+            if sel is None:
+                return rows
+            sel._offload = WeightOffload(sel._w, backend=name)
+            paths[name] = sel
         nrng = np.random.default_rng(0)
-        gpu.sample(1, nrng)  # first upload
+        paths["gpu"].sample(1, nrng)  # first upload
         for batch in batches:
             upd = g.choice(n, min(batch, n), replace=False)
+            vals = g.uniform(0.01, 10.0, upd.shape[0])
+            seqs = np.arange(upd.shape[0]) + n
             reps = 3 if (quick or batch >= 16384) else 10
-            t_cpu = median_wall(functools.partial(sel.sample, batch, nrng), reps, 1)
-            t_gpu = median_wall(functools.partial(_offload_step, gpu, upd, batch, nrng), reps, 1)
-            t_twin = median_wall(functools.partial(twin.sample, batch, nrng), 2 if n >= (1 << 20) else reps, 1)
-            rows.append({"n": n, "batch": batch, "cpu_structure_us": t_cpu * 1e6,
-                         "gpu_with_sync_us": t_gpu * 1e6, "twin_us": t_twin * 1e6})
+            row = {"n": n, "batch": batch}
+            for name, sel in paths.items():
+                r = 2 if (name == "twin" and n >= (1 << 20)) else reps
+                t = median_wall(functools.partial(_rl_step, sel, upd, vals, seqs, batch, nrng), r, 1)
+                row[f"{name}_step_us"] = t * 1e6
+            rows.append(row)
     return rows
 
 
-def _offload_step(offload: WeightOffload, changed: np.ndarray, batch: int, rng: np.random.Generator):
-    """One RL step on the GPU path: the weights of `changed` slots were updated, then a batch is drawn."""
-    offload.touch_many(changed)
-    return offload.sample(batch, rng)
+def _rl_step(sel, slots: np.ndarray, values: np.ndarray, seqs: np.ndarray, batch: int, rng: np.random.Generator):
+    """One learner step on a selector: update the priorities of `slots`, then draw a batch."""
+    sel.update_many(slots, values, seqs)
+    return sel.sample(batch, rng)
 
 
 def crossovers(rows: list[dict]) -> list[dict]:
+    """Per table size: the smallest batch from which a path beats the CPU structure at every larger batch."""
     out = []
     for n in sorted({r["n"] for r in rows}):
         rs = sorted((r for r in rows if r["n"] == n), key=lambda r: r["batch"])
-        gpu = next((r["batch"] for r in rs if all(q["gpu_with_sync_us"] < q["cpu_structure_us"]
-                                                  for q in rs if q["batch"] >= r["batch"])), None)
-        twin = next((r["batch"] for r in rs if all(q["twin_us"] < q["cpu_structure_us"]
-                                                   for q in rs if q["batch"] >= r["batch"])), None)
-        out.append({"n": n, "gpu_min_batch": gpu, "twin_min_batch": twin})
+        found = {}
+        for name in ("gpu", "twin"):
+            found[name] = next((r["batch"] for r in rs if all(q[f"{name}_step_us"] < q["cpu_step_us"]
+                                                              for q in rs if q["batch"] >= r["batch"])), None)
+        out.append({"n": n, "gpu_min_batch": found["gpu"], "twin_min_batch": found["twin"]})
     return out
 
 
@@ -288,7 +360,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--json", help="write the figures here too")
-    parser.add_argument("--sections", default="ceiling,gather,select,update,order,crossover")
+    parser.add_argument("--sections", default="diag,gather,select,update,order,crossover",
+                        help="comma-separated: diag,gather,select,update,order,crossover")
     args = parser.parse_args()
     if not gk.gpu_available():
         print("bench_gpu: no usable GPU (CuPy and a CUDA device are needed)", file=sys.stderr)
@@ -304,6 +377,11 @@ def main() -> int:
     ceiling = pinned_ceiling(cp)
     result["pinned_h2d_gbps"] = ceiling / 1e9
     print(f"pinned host-to-device copy ceiling: {ceiling / 1e9:.1f} GB/s")
+    if "diag" in sections:
+        result["diag"] = bench_diag(cp)
+        print("\nselection kernels alone (20 launches in one CUDA graph; B = 4096)")
+        for r in result["diag"]:
+            print(f"N={r['n']:>9} exponent {r['exponent']}: scan {r['scan_us']:.1f} us, search {r['search_us']:.1f} us")
     if "gather" in sections:
         result["gather"] = bench_gather(cp, ceiling, args.quick)
         print("\ngather (registered /dev/shm -> device)   goal: >= 0.9x ceiling for >= 64 KiB at B >= 256; "
@@ -316,16 +394,18 @@ def main() -> int:
     if "select" in sections:
         result["select"] = bench_selection(cp, args.quick)
         print("\nprioritized selection (exponent 0.6)   goal: 4096 of 1M in < 50 us")
-        print(f"{'N':>9} {'B':>6} {'GPU e2e us':>11} {'GPU dev us':>11} {'twin us':>10} {'CPU struct us':>14}")
+        print(f"{'N':>9} {'B':>6} {'GPU e2e us':>11} {'no graph':>9} {'kernels us':>11} {'twin us':>10} "
+              f"{'CPU struct us':>14}")
         for r in result["select"]:
             cpu = "-" if r["cpu_structure_us"] is None else f"{r['cpu_structure_us']:.0f}"
-            print(f"{r['n']:>9} {r['batch']:>6} {r['gpu_e2e_us']:>11.1f} {r['gpu_device_us']:>11.1f} "
-                  f"{r['twin_us']:>10.0f} {cpu:>14}")
+            print(f"{r['n']:>9} {r['batch']:>6} {r['gpu_e2e_us']:>11.1f} {r['gpu_e2e_no_graph_us']:>9.1f} "
+                  f"{r['gpu_device_us']:>11.1f} {r['twin_us']:>10.0f} {cpu:>14}")
     if "update" in sections:
         u = result["update"] = bench_updates(cp, args.quick)
         cpu = "-" if u["cpu_structure_us"] is None else f"{u['cpu_structure_us']:.0f}"
         print(f"\npriority updates, {u['keys']} keys into {u['n']}   goal: < 50 us")
-        print(f"GPU e2e {u['gpu_e2e_us']:.1f} us (device {u['gpu_device_us']:.1f} us), twin {u['twin_us']:.0f} us, "
+        print(f"GPU e2e {u['gpu_e2e_us']:.1f} us (no graph {u['gpu_e2e_no_graph_us']:.1f} us; device "
+              f"{u['gpu_device_us']:.1f} us), twin {u['twin_us']:.0f} us, "
               f"CPU structure {cpu} us")
     if "order" in sections:
         result["order"] = bench_order(cp, args.quick)
@@ -335,11 +415,11 @@ def main() -> int:
     if "crossover" in sections:
         rows = result["crossover"] = bench_crossover(cp, args.quick)
         result["crossovers"] = crossovers(rows)
-        print("\ncrossover (prioritized; GPU path includes syncing B changed weights)")
+        print("\ncrossover: one step = update B priorities, then draw B (prioritized selector, per path)")
         print(f"{'N':>9} {'B':>6} {'CPU struct us':>14} {'GPU us':>9} {'twin us':>9}")
         for r in rows:
-            print(f"{r['n']:>9} {r['batch']:>6} {r['cpu_structure_us']:>14.0f} {r['gpu_with_sync_us']:>9.0f} "
-                  f"{r['twin_us']:>9.0f}")
+            print(f"{r['n']:>9} {r['batch']:>6} {r['cpu_step_us']:>14.0f} {r['gpu_step_us']:>9.0f} "
+                  f"{r['twin_step_us']:>9.0f}")
         for c in result["crossovers"]:
             print(f"N={c['n']}: GPU from B={c['gpu_min_batch']}, twin from B={c['twin_min_batch']}")
     text = json.dumps(result, indent=1)

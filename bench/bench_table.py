@@ -106,7 +106,7 @@ def bench_sample(store: SegmentStore, n: int, repeats: int) -> None:
     for sampler in ("uniform", "prioritized"):
         table = table_with(store, f"s{n}{sampler}", n, sampler, item_bytes=64)
         for b in (32, 256):
-            def once(b=b):
+            def once(b=b, table=table):
                 sel = table.sample(b)
                 table.release(sel.lease_id)
             once()
@@ -117,7 +117,7 @@ def bench_sample(store: SegmentStore, n: int, repeats: int) -> None:
             keys = np.random.default_rng(4).choice(n, min(4096, n), replace=False)
             updates = {int(k): float(v) for k, v in zip(keys, np.random.default_rng(5).random(len(keys)) + 0.1,
                                                          strict=True)}
-            t = timed(lambda updates=updates: table.mutate_priorities(updates), max(3, repeats // 10))
+            t = timed(lambda updates=updates, table=table: table.mutate_priorities(updates), max(3, repeats // 10))
             print(f"mutate  N={n:>8} prioritized {len(keys)} keys: median {statistics.median(t) * 1e3:7.2f} ms")
         table.close()
     print(f"        (reference: cumsum + searchsorted over all {n} weights, B=256: {naive * 1e6:8.1f} us)")

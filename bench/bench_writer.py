@@ -5,9 +5,10 @@ reward: float32}, then one item over ``history[...][-steps:]`` of every leaf;
 ``items`` times. The figure is item bytes per second of wall time, the final
 flush included. The servicer runs in another process (its own GIL) and only
 parses the requests and acknowledges the keys: this is the writer's own
-ceiling, against the goal of 0.46 GB/s on a 2-core machine.
+ceiling, against the goal of 0.46 GB/s on a 2-core machine. ``--target daemon``
+measures against gear's own daemon instead (a FIFO table of 256 items).
 
-    .venv/bin/python bench/bench_writer.py [--items 2048] [--steps 64] [--obs 1024]
+    .venv/bin/python bench/bench_writer.py [--items 2048] [--steps 64] [--obs 1024] [--target daemon]
 """
 
 from __future__ import annotations
@@ -66,16 +67,26 @@ class _Client:
         return self._info
 
 
-def run(items: int, steps: int, obs_size: int) -> dict:
+def run(items: int, steps: int, obs_size: int, target: str = "discard") -> dict:
     from gear_client.trajectory_writer import TrajectoryWriter
 
     ctx = mp.get_context("spawn")
     port_queue, stop_event = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_serve, args=(port_queue, stop_event), daemon=True)
-    proc.start()
+    proc = daemon = None
+    if target == "discard":
+        proc = ctx.Process(target=_serve, args=(port_queue, stop_event), daemon=True)
+        proc.start()
     try:
-        port = port_queue.get(timeout=30)
-        client = _Client(f"127.0.0.1:{port}")
+        if target == "discard":
+            port = port_queue.get(timeout=30)
+            client = _Client(f"127.0.0.1:{port}")
+        else:  # the real daemon: a FIFO table of 256 items
+            import gear_client as reverb
+
+            daemon = reverb.Server(tables=[reverb.Table(
+                "bench", sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(), max_size=256,
+                rate_limiter=reverb.rate_limiters.MinSize(1))])
+            client = daemon.localhost_client()
         rng = np.random.default_rng(0)
         observations = rng.standard_normal((steps, obs_size)).astype(np.float32)
         actions = [np.int64(i) for i in range(steps)]
@@ -106,7 +117,7 @@ def run(items: int, steps: int, obs_size: int) -> dict:
         usage1 = resource.getrusage(resource.RUSAGE_SELF)
         writer.close()
         stop_event.set()
-        server_cpu = port_queue.get(timeout=30)
+        server_cpu = port_queue.get(timeout=30) if proc is not None else float("nan")
         total = items * steps * step_bytes
         return {
             "items": items, "steps": steps, "item_bytes": steps * step_bytes, "seconds": elapsed,
@@ -117,7 +128,10 @@ def run(items: int, steps: int, obs_size: int) -> dict:
         }
     finally:
         stop_event.set()
-        proc.join(10)
+        if proc is not None:
+            proc.join(10)
+        if daemon is not None:
+            daemon.stop()
 
 
 def main() -> None:
@@ -125,13 +139,23 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--obs", type=int, default=1024)
+    parser.add_argument("--batch-bytes", type=int, default=None,
+                        help="override trajectory_writer.BATCH_BYTES (items per request under load)")
+    parser.add_argument("--target", choices=["discard", "daemon"], default="discard",
+                        help="discard: a servicer that only acknowledges (the writer's ceiling); daemon: gear's")
     args = parser.parse_args()
-    r = run(args.items, args.steps, args.obs)
+    if args.batch_bytes is not None:
+        from gear_client import trajectory_writer
+
+        trajectory_writer.BATCH_BYTES = args.batch_bytes
+    r = run(args.items, args.steps, args.obs, args.target)
+    print(f"target: {args.target}")
     print(f"writer: {r['items']} items x {r['steps']} steps ({r['item_bytes'] / 1e3:.1f} kB/item) in "
           f"{r['seconds']:.3f} s")
     print(f"  throughput {r['gbps']:.3f} GB/s (goal {GOAL_GBPS} GB/s, {r['gbps'] / GOAL_GBPS:.0%} of goal)")
     print(f"  append {r['append_us']:.2f} us/step, create_item+send {r['item_us']:.1f} us/item")
-    print(f"  cpu: writer process {r['client_cpu']:.2f} s, servicer process {r['server_cpu']:.2f} s (whole run)")
+    print(f"  cpu: writer process {r['client_cpu']:.2f} s, servicer process {r['server_cpu']:.2f} s (whole run; "
+          f"nan: not measured)")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,12 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'gear_client' has no attribute {name!r}")
     module_name, attribute = target
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        if e.name != module_name:
+            raise
+        raise AttributeError(f"gear_client.{name} is not available in this build ({module_name} is missing)") from e
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
     return value

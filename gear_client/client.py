@@ -9,13 +9,16 @@ another process opens its own channel.
 on the daemon's host the table's shared memory (shm), on another host with an
 RDMA device one-sided reads (rdma). Otherwise it takes the inline path: the
 daemon streams SampleResponses whose columns are raw buffers; they are parsed
-here without protobuf copying the bytes, and items are numpy views into the
-received message.
+here without protobuf copying the bytes, each column is copied once into a
+writable array (Reverb's samples are writable), and items are views of it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import secrets
+import sys
 import threading
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
@@ -44,10 +47,14 @@ class Client:
     """Client of a gear replay daemon (Reverb's ``reverb.Client``)."""
 
     def __init__(self, server_address: str, client: Client | None = None, *, token: str | None = None,
-                 root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None):
+                 root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None,
+                 data_planes: Sequence[str] | None = None):
+        """``data_planes``: the planes ``sample`` may negotiate besides inline (default ``("shm", "rdma")``,
+        or the comma-separated ``GEAR_DATA_PLANES``; ``()`` or ``"inline"`` keeps every sample on gRPC)."""
         if not isinstance(server_address, str) or not server_address:
             raise ValueError(f"server_address must be a non-empty string, got {server_address!r}")
         self._server_address = server_address
+        self._data_planes = _data_planes_option(data_planes)
         self._security_args = {k: v for k, v in (("token", token), ("root_certificates", root_certificates),
                                                  ("certificate_chain", certificate_chain),
                                                  ("private_key", private_key)) if v is not None}
@@ -56,7 +63,6 @@ class Client:
         self._stub_instance: pb_grpc.ReplayServiceStub | None = None
         self._sample_call = None
         self._table_infos: dict[str, pb.TableInfo] = {}
-        self._signature_cache: dict[str, Any] = {}
         self._planes: dict[str, Any] = {}  # table -> PlaneSampler (shm/rdma) or None (inline)
         if client is not None and client._server_address == server_address:
             # Reverb's "pre-existing client": share its channel.
@@ -64,7 +70,7 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
     def __reduce__(self):
-        return _rebuild_client, (self._server_address, self._security_args)
+        return _rebuild_client, (self._server_address, self._security_args, self._data_planes)
 
     def __repr__(self) -> str:
         return f"Client, server_address={self._server_address}"
@@ -244,11 +250,12 @@ class Client:
                     yield emit(info, batch.item_columns(i))
             return
         sample_call = self._connect()[2]
+        tune_allocator()
         request = pb.SampleRequest(table=table, num_samples=int(num_samples))
         call = sample_call(request, wait_for_ready=True)
         try:
             for raw in call:
-                batch = decode_sample_response(raw)
+                batch = decode_sample_response(raw, writable=True)
                 for i in range(batch.num_items):
                     yield emit(batch.info(i), batch.item_columns(i))
         except grpc.RpcError as e:
@@ -261,12 +268,14 @@ class Client:
 
         Negotiated once per table (offering shm and rdma only); the answer is kept.
         """
+        if not self._data_planes:
+            return None
         with self._lock:
             if table in self._planes:
                 return self._planes[table]
         from gear_client.data_planes.sampler import PlaneSampler
 
-        sampler = PlaneSampler(self, table, planes=("shm", "rdma"))
+        sampler = PlaneSampler(self, table, planes=self._data_planes)
         try:
             sampler.open()
         except errors.ReverbError:  # transient (unavailable, deadline...): try again next time
@@ -334,8 +343,51 @@ class Client:
             raise errors.from_rpc_error(e, "check_rate_limiter") from e
 
 
-def _rebuild_client(address: str, security_args: dict[str, Any]) -> Client:
-    return Client(address, **security_args)
+_allocator_tuned = False
+
+
+def tune_allocator(mmap_threshold: int = 128 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Keep freed multi-MiB buffers in the heap (glibc) so the next ones do not fault in fresh pages.
+
+    Every sampled message and batch is a fresh multi-MiB buffer; with glibc's
+    defaults the heap top is trimmed and the pages faulted in (and zeroed) again
+    for nearly every message, which costs as much CPU as the copies themselves.
+    Buffers under ``mmap_threshold`` come from the heap, and up to
+    ``trim_threshold`` bytes of free heap are kept. Set ``GEAR_MALLOC_TUNING=0``
+    to leave the allocator alone. Returns whether the settings were applied.
+    """
+    global _allocator_tuned
+    if _allocator_tuned or not sys.platform.startswith("linux") or os.environ.get("GEAR_MALLOC_TUNING", "1") == "0":
+        return _allocator_tuned
+    try:
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
+        _allocator_tuned = bool(libc.mallopt(m_mmap_threshold, int(mmap_threshold))) and \
+            bool(libc.mallopt(m_trim_threshold, int(trim_threshold)))
+    except (OSError, AttributeError):
+        _allocator_tuned = False
+    return _allocator_tuned
+
+
+def _rebuild_client(address: str, security_args: dict[str, Any], data_planes: tuple[str, ...] = ("shm", "rdma")
+                    ) -> Client:
+    return Client(address, data_planes=data_planes, **security_args)
+
+
+_KNOWN_PLANES = ("shm", "rdma")
+
+
+def _data_planes_option(value: Sequence[str] | str | None) -> tuple[str, ...]:
+    """The planes besides inline a client may use (see Client.__init__)."""
+    if value is None:
+        value = os.environ.get("GEAR_DATA_PLANES", ",".join(_KNOWN_PLANES))
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    planes = tuple(v for v in value if v != "inline")
+    unknown = sorted(set(planes) - set(_KNOWN_PLANES))
+    if unknown:
+        raise ValueError(f"unknown data plane(s) {unknown}; known: shm, rdma, inline")
+    return planes
 
 
 def _length_of(column: np.ndarray) -> int:
@@ -385,7 +437,7 @@ class SampleBatchView:
         for c, col in enumerate(self.columns):
             start = int(self.starts[i, c])
             if self.squeeze[c]:
-                out.append(col[start])
+                out.append(col[start, ...])  # an array (0-d for scalars), not a numpy scalar
             else:
                 out.append(col[start:start + int(self.lengths[i, c])])
         return out
@@ -457,8 +509,12 @@ def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarr
     return np.frombuffer(raw, dtype=dtype, count=count, offset=data_at).reshape(shape)
 
 
-def decode_sample_response(raw: bytes) -> SampleBatchView:
-    """Parse a serialized SampleResponse; column data stay in ``raw`` (arrays are read-only views)."""
+def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchView:
+    """Parse a serialized SampleResponse.
+
+    Column arrays view ``raw`` (read-only, no copy), or with ``writable`` are one
+    copy per column (numpy arrays users may modify in place, as Reverb's are).
+    """
     buf = memoryview(raw)
     small = bytearray()  # every SampleBatch field but the columns, re-parsed by protobuf
     columns: list[np.ndarray] = []
@@ -478,7 +534,8 @@ def decode_sample_response(raw: bytes) -> SampleBatchView:
             key, pos = _read_varint(buf, pos)
             if key == 0x12:  # SampleBatch.columns
                 length, pos = _read_varint(buf, pos)
-                columns.append(_parse_tensor(raw, buf, pos, pos + length))
+                column = _parse_tensor(raw, buf, pos, pos + length)
+                columns.append(column.copy() if writable else column)
                 pos += length
             else:
                 pos = _skip_field(buf, pos, key & 7)

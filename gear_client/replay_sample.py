@@ -28,11 +28,21 @@ class SampleInfo(NamedTuple):
 
     @classmethod
     def tf_dtypes(cls) -> SampleInfo:
-        """The numpy dtypes Reverb's datasets give these fields (uint64, f64, i64, f64, i32)."""
+        """The dtypes of the fields (uint64, float64, int64, float64, int32), as numpy dtypes: no TensorFlow."""
         import numpy as np
 
         return cls(np.dtype(np.uint64), np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.float64),
                    np.dtype(np.int32))
+
+    @classmethod
+    def tf_shapes(cls) -> SampleInfo:
+        """Every field is a scalar."""
+        return cls((), (), (), (), ())
+
+    @classmethod
+    def zeros(cls) -> SampleInfo:
+        """A SampleInfo with Python zero values for all fields."""
+        return cls(0, 0.0, 0, 0.0, 0)
 
 
 class ReplaySample(NamedTuple):

@@ -248,7 +248,8 @@ class Server:
             raise
         for table in self._tables:
             table._server = self
-        self._finalizer = weakref.finalize(self, _stop_quietly, self._process, self._control, self._daemon)
+        self._finalizer = weakref.finalize(self, _stop_quietly, self._process, self._control, self._daemon,
+                                           self._owned_checkpoint_dir)
 
     # ------------------------------------------------------------------ start
     def _start_in_process(self, config: pb.ServerConfig) -> int:
@@ -262,6 +263,7 @@ class Server:
 
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)  # systemd readiness belongs to the parent's unit, not to this child
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where gear_client/gear_server live
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         command = [sys.executable, "-m", "gear_server", "--control-fd", str(child.fileno()), "--log-level", log_level]
@@ -352,9 +354,7 @@ class Server:
 
     def _remove_owned_checkpoint_dir(self) -> None:
         """Remove the temporary checkpoint directory made for this server if nothing was written there."""
-        path = self._owned_checkpoint_dir
-        if path and os.path.isdir(path) and not os.listdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+        _remove_if_empty(self._owned_checkpoint_dir)
 
     def __enter__(self) -> Server:
         return self
@@ -364,6 +364,11 @@ class Server:
 
     def __repr__(self) -> str:
         return f"Server(port={self._port}, tables={[t.name for t in self._tables]}, pid={self.pid})"
+
+
+def _remove_if_empty(path: str | None) -> None:
+    if path and os.path.isdir(path) and not os.listdir(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_line(sock: socket.socket, timeout: float, process: subprocess.Popen) -> str:
@@ -386,8 +391,9 @@ def _read_line(sock: socket.socket, timeout: float, process: subprocess.Popen) -
     return data.split(b"\n", 1)[0].decode(errors="replace").strip()
 
 
-def _stop_quietly(process: subprocess.Popen | None, control: socket.socket | None, daemon: Any) -> None:
-    """Finalizer of a Server dropped without stop(): end its daemon."""
+def _stop_quietly(process: subprocess.Popen | None, control: socket.socket | None, daemon: Any,
+                  checkpoint_dir: str | None) -> None:
+    """Finalizer of a Server dropped without stop(): end its daemon, remove its unused temporary directory."""
     try:
         if daemon is not None:
             daemon.stop()
@@ -399,4 +405,5 @@ def _stop_quietly(process: subprocess.Popen | None, control: socket.socket | Non
     finally:
         if control is not None:
             control.close()
+        _remove_if_empty(checkpoint_dir)
 

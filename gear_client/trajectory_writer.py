@@ -21,12 +21,14 @@ stream and resends whatever data later items need.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import operator
 import os
 import queue
 import random
+import struct
 import threading
 import time
 import weakref
@@ -51,14 +53,17 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 256 << 20
 MAX_CHUNK_BYTES = 2 << 20
 MAX_REQUEST_BYTES = 3 << 20
 # Under load, items are batched into requests of about this size.
-BATCH_BYTES = 1 << 20
+BATCH_BYTES = 2 << 20
 # Spare rows kept beyond the keep-alive window so the buffer is compacted rarely.
-_SPARE_BUFFER_BYTES = 4 << 20
+_SPARE_BUFFER_BYTES = 1 << 20
 _MAX_SPARE_ROWS = 4096
 _CLOSE_TIMEOUT_S = 2.0
 
-# A chunk to send: (chunk key, dtype string, shape, raw bytes, episode id, episode step of row 0).
-_Chunk = tuple[int, str, tuple, bytes, int, int]
+# A chunk to send: its encoded ``InsertStreamRequest.chunks`` field up to the raw
+# data, and the data itself (a view of the column buffer until the batch is joined).
+_Chunk = tuple[bytes, memoryview]
+
+_DOUBLE = struct.Struct("<d")
 
 _PY_SCALAR_DTYPES = {float: np.dtype(np.float64), int: np.dtype(np.int64), bool: np.dtype(np.bool_)}
 
@@ -80,6 +85,7 @@ class _Column:
     __slots__ = (
         "path", "index", "keep", "max_chunk_length", "dtype", "shape", "fast_types", "buf", "cap",
         "buf_first_row", "nrows", "row_step", "hist", "chunks", "chunk_firsts", "episode_marks", "row_bytes",
+        "dtype_wire", "spare_buf",
         "__weakref__",
     )
 
@@ -89,9 +95,11 @@ class _Column:
         self.keep = keep
         self.max_chunk_length: int | None = None
         self.dtype: np.dtype | None = None
+        self.dtype_wire = b""  # dtype.str, encoded for the wire
         self.shape: tuple | None = None
         self.fast_types: tuple = ()
         self.buf: np.ndarray | None = None
+        self.spare_buf: np.ndarray | None = None  # the buffer compaction moves rows into next
         self.cap = 0
         self.buf_first_row = 0
         self.nrows = 0
@@ -132,6 +140,7 @@ class _Column:
 
     def _init_storage(self, arr: np.ndarray) -> None:
         self.dtype = arr.dtype
+        self.dtype_wire = arr.dtype.str.encode()
         self.shape = tuple(arr.shape)
         self.row_bytes = max(1, arr.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)))
         fast = []
@@ -159,18 +168,30 @@ class _Column:
         else:
             self.buf_first_row = self.nrows
         self.buf, self.cap, self.row_step = buf, cap, steps
+        self.spare_buf = None
 
-    def compact(self) -> int:
-        """Move the live rows to the front of the buffer; returns the position of the next row."""
+    def compact(self, before_move: Any = None) -> int:
+        """Move the live rows to the front of the other buffer; returns the position of the next row.
+
+        Two buffers take turns, so rows of the current one stay where they are
+        (chunks waiting in a batch are views of them). ``before_move(column,
+        target)`` is called before ``target`` is overwritten.
+        """
         live = self.min_live_row()
         src = live - self.buf_first_row
         n = self.nrows - live
         if n + 1 > self.cap:  # the keep-alive window grew (configure)
             self._allocate()
             return self.nrows - self.buf_first_row
-        if n and src:
-            self.buf[:n] = self.buf[src:src + n]
+        target = self.spare_buf
+        if target is None:
+            target = np.empty_like(self.buf)
+        elif before_move is not None:
+            before_move(self, target)
+        if n:
+            target[:n] = self.buf[src:src + n]
             self.row_step[:n] = self.row_step[src:src + n]
+        self.buf, self.spare_buf = target, self.buf
         self.buf_first_row = live
         return n
 
@@ -388,11 +409,14 @@ class _ColumnHistory:
             yield None if row is None else DataReference(col, row)
 
     def _one(self, i: int) -> int | None:
+        """The row of step ``i``; None where the step has no data or is gone (as Reverb: too far back)."""
         n = self._steps.n
+        if i >= n:
+            raise IndexError("list index out of range")
         if i < 0:
             i += n
-        if not 0 <= i < n:
-            raise IndexError("list index out of range")
+            if i < 0:
+                return None
         hist = self._column.hist
         j = i - (n - len(hist))
         return hist[j] if j >= 0 else None
@@ -434,6 +458,95 @@ class _ColumnHistory:
         return f"_ColumnHistory(path={self._column.path}, len={len(self)})"
 
 
+# -------------------------------------------------------------- encoding ----
+# InsertStreamRequest bytes are written by hand around the chunks' raw buffers
+# (field numbers from protos/gear/v1/replay.proto); everything else is encoded
+# by protobuf and appended (concatenated messages merge).
+
+_VARINT1 = [bytes((i,)) for i in range(128)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _varint_long(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int."""
+    if n < 0x80:
+        return _VARINT1[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    return _varint_long(n)
+
+
+def _chunk_head(key: int, dtype: bytes, shape: tuple, nbytes: int, episode_id: int, episode_step: int) -> bytes:
+    """``InsertStreamRequest.chunks`` (field 1) holding one ChunkData, up to its raw data."""
+    packed = b"".join([_varint(d) for d in shape])
+    tensor_head = b"".join((
+        b"\x0a", _varint(len(dtype)), dtype,            # Tensor.dtype = 1
+        b"\x12", _varint(len(packed)), packed,          # Tensor.shape = 2 (packed)
+        b"\x1a", _varint(nbytes),                       # Tensor.data = 3 (the raw bytes follow)
+    ))
+    chunk_head = b"".join((
+        b"\x08", _varint(key),                          # ChunkData.chunk_key = 1
+        b"\x18", _varint(episode_id),                   # ChunkData.episode_id = 3
+        b"\x20", _varint(episode_step),                 # ChunkData.episode_step = 4
+        b"\x12", _varint(len(tensor_head) + nbytes), tensor_head,  # ChunkData.data = 2
+    ))
+    return b"\x0a" + _varint(len(chunk_head) + nbytes) + chunk_head
+
+
+def _encode_item(key: int, table: bytes, priority: float, structure: bytes,
+                 columns: list[tuple[list[tuple[int, int, int]], bool]]) -> bytes:
+    """``InsertStreamRequest.items`` (field 2) holding one PrioritizedItem."""
+    parts = [b"\x08", _varint(key),                      # PrioritizedItem.key = 1
+             b"\x12", _varint(len(table)), table,        # .table = 2
+             b"\x19", _DOUBLE.pack(priority),             # .priority = 3 (fixed64)
+             b"\x22", _varint(len(structure)), structure]  # .structure = 4
+    for slices, squeeze in columns:
+        body = []
+        for chunk_key, offset, length in slices:
+            s = b"".join((b"\x08", _varint(chunk_key), b"\x10", _varint(offset), b"\x18", _varint(length)))
+            body += (b"\x0a", _varint(len(s)), s)         # ItemColumn.slices = 1
+        if squeeze:
+            body.append(b"\x10\x01")                      # ItemColumn.squeeze = 2
+        encoded = b"".join(body)
+        parts += (b"\x2a", _varint(len(encoded)), encoded)  # .columns = 5
+    item = b"".join(parts)
+    return b"\x12" + _varint(len(item)) + item
+
+
+def _encode_releases(keys: Sequence[int]) -> bytes:
+    """``InsertStreamRequest.release_chunk_keys`` (field 3, packed)."""
+    if not keys:
+        return b""
+    packed = b"".join([_varint(k) for k in keys])
+    return b"\x1a" + _varint(len(packed)) + packed
+
+
+_INSERT_STREAM_METHOD = "/gear.v1.ReplayService/InsertStream"
+
+
+def _open_insert_stream(client: Any) -> tuple[Any, bool]:
+    """The InsertStream multicallable, and whether it takes encoded bytes.
+
+    With the client's channel the writer sends its hand-encoded bytes as they
+    are; through the stub (no channel) they are parsed into a message first.
+    """
+    stub = client._stub
+    channel = getattr(client, "_channel", None)
+    if isinstance(channel, grpc.Channel):
+        return channel.stream_stream(_INSERT_STREAM_METHOD, request_serializer=None,
+                                     response_deserializer=pb.InsertStreamResponse.FromString), True
+    return stub.InsertStream, False
+
+
 # ------------------------------------------------------------------ stream ----
 
 class _InsertStream:
@@ -446,7 +559,7 @@ class _InsertStream:
     writer is collected and its finalizer ends the stream.
     """
 
-    def __init__(self, stub: Any):
+    def __init__(self, client: Any):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self.pending: dict[int, int] = {}  # item key -> bytes sent with it
@@ -455,9 +568,11 @@ class _InsertStream:
         self.done = False
         self._closing = False
         self._sender_idle = True  # gRPC's request thread waits for the next request
-        self.batch: pb.InsertStreamRequest | None = None
+        self.batch: list | None = None  # pieces of the next message (bytes, or views of column buffers)
         self.batch_bytes = 0
-        self._call = stub.InsertStream(self._requests())
+        open_call, self._raw = _open_insert_stream(client)
+        # wait_for_ready: a daemon still starting (or restarting) is waited for, not an error.
+        self._call = open_call(self._requests(), wait_for_ready=True)
         self._reader = threading.Thread(target=self._read_acks, name="gear-insert-acks", daemon=True)
         self._reader.start()
 
@@ -500,12 +615,12 @@ class _InsertStream:
     def in_flight(self) -> int:
         return len(self.pending)
 
-    def request(self, nbytes: int) -> pb.InsertStreamRequest:
-        """The batch to fill with ``nbytes`` more data (a new one when it would grow too big)."""
+    def request(self, nbytes: int) -> list:
+        """The batch (a list of encoded pieces) to extend with ``nbytes`` more (a new one when full)."""
         if self.batch is not None and self.batch_bytes + nbytes > MAX_REQUEST_BYTES:
             self.submit()
         if self.batch is None:
-            self.batch = pb.InsertStreamRequest()
+            self.batch = []
             self.batch_bytes = 0
         self.batch_bytes += nbytes
         return self.batch
@@ -520,17 +635,20 @@ class _InsertStream:
             self.submit()
 
     def submit(self) -> None:
+        """Join the batch into one message (copying the column views) and queue it."""
         batch, self.batch = self.batch, None
-        if batch is not None:
+        if batch:
+            message = b"".join(batch)
             self._sender_idle = False
-            self._queue.put(batch)
+            self._queue.put(message if self._raw else pb.InsertStreamRequest.FromString(message))
 
     def wait(self, max_items: int, max_bytes: int, deadline: float | None) -> bool:
         """Block until at most max_items (and max_bytes) are in flight; False on timeout.
 
         Returns True early when the stream failed or ended (the caller checks ``error``).
         """
-        self.submit()
+        if len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
+            self.submit()  # what we wait for may sit in the batch (acks only lower the counts)
         with self._cond:
             while len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
                 if self.done or self.error is not None:
@@ -617,12 +735,13 @@ class TrajectoryWriter:
         self._step = -1  # episode step of the last (possibly open) step
         self._episode_steps = 0  # completed steps this episode
         self._stream: _InsertStream | None = None
+        self._unsent = False  # the stream's batch holds data not yet handed to gRPC
         self._finalizer = weakref.finalize(self, _close_stream, None)
         self._chunk_counter = itertools.count(1)
         self._pending_release: list[int] = []
         self._table_infos: dict[str, pb.TableInfo] = {}
         self._validated: dict[Any, bool] = {}
-        self._structures: dict[Any, pb.Structure] = {}
+        self._structures: dict[Any, bytes] = {}  # treedef -> encoded gear.v1.Structure
 
     # ----------------------------------------------------------- context --
     def __enter__(self) -> TrajectoryWriter:
@@ -672,7 +791,7 @@ class TrajectoryWriter:
         self._column_config[path] = (int(num_keep_alive_refs), max_chunk_length)
         column = self._by_path.get(path)
         if column is not None:
-            self._apply_config(column)
+            self._apply_config(column)  # a new buffer, if any: chunk views keep the old one alive
 
     def append(self, data: Any, *, partial_step: bool = False) -> None:
         """Append one step (or part of it, with ``partial_step``) column-wise."""
@@ -699,7 +818,7 @@ class TrajectoryWriter:
                     row = column.nrows
                     pos = row - column.buf_first_row
                     if pos >= column.cap:
-                        pos = column.compact()
+                        pos = column.compact(self._release_views)
                     column.buf[pos] = x
                     column.row_step[pos] = step
                     column.hist.append(row)
@@ -710,9 +829,22 @@ class TrajectoryWriter:
                     self._open = True
                 else:
                     self._episode_steps += 1
+                if self._unsent:
+                    self._send_if_idle()
                 return
         columns, values, missing = self._flatten_generic(data)
         self._commit(columns, values, missing, partial_step)
+        if self._unsent:
+            self._send_if_idle()
+
+    def _send_if_idle(self) -> None:
+        """Send a batch left waiting for a busy sender once the sender is free."""
+        stream = self._stream
+        if stream is None or stream.batch is None:
+            self._unsent = False
+        elif stream._sender_idle:
+            stream.submit()
+            self._unsent = False
 
     def create_item(self, table: str, priority: float, trajectory: Any) -> None:
         """Send an item of ``table`` made of the trajectory's columns (blocks past max_in_flight_items)."""
@@ -731,6 +863,8 @@ class TrajectoryWriter:
             raise ValueError(f"priority must be a number, got {priority!r}") from e
         if math.isnan(priority):
             raise ValueError("priority must not be NaN")
+        if priority < 0:
+            raise ValueError(f"priority must not be negative, got {priority}")
         if not isinstance(table, str) or not table:
             raise ValueError(f"table must be a non-empty string, got {table!r}")
         for i, column in enumerate(flat):
@@ -745,7 +879,7 @@ class TrajectoryWriter:
             self._validate(table, flat, specs)
         structure = self._structures.get(treedef)
         if structure is None:
-            structure = nest.structure_of(trajectory)
+            structure = nest.structure_of(trajectory).SerializeToString()
             if len(self._structures) > 256:
                 self._structures.clear()
             self._structures[treedef] = structure
@@ -775,8 +909,9 @@ class TrajectoryWriter:
             return
         self._collect_releases()
         if self._pending_release:
-            stream.request(0).release_chunk_keys.extend(self._take_releases())
-            stream.added()
+            stream.request(0).append(_encode_releases(self._take_releases()))
+        stream.submit()
+        self._unsent = False
         deadline = None if timeout_ms is None or timeout_ms < 0 else time.monotonic() + timeout_ms / 1000.0
         ok = stream.wait(block_until_num_items, 1 << 62, deadline)
         self._raise_stream_error("flush")
@@ -801,11 +936,12 @@ class TrajectoryWriter:
                     column.clear(self._episode_id)
                 else:
                     column.episode_marks.append((column.nrows, self._episode_id))
+                    column.drop_dead_marks()
             if clear_buffers:
                 self._hist_len.n = 0
                 self._release_all_chunks()
                 if self._stream is not None and not self._stream.done and self._pending_release:
-                    self._stream.request(0).release_chunk_keys.extend(self._take_releases())
+                    self._stream.request(0).append(_encode_releases(self._take_releases()))
                     self._stream.submit()
 
     def close(self, _wait: bool = True) -> None:
@@ -912,7 +1048,7 @@ class TrajectoryWriter:
                 column.hist.append(row)
                 pos = row - column.buf_first_row
                 if pos >= column.cap:
-                    pos = column.compact()
+                    pos = column.compact(self._release_views)
                 column.buf[pos] = x
                 column.row_step[pos] = step
                 column.nrows = row + 1
@@ -922,13 +1058,12 @@ class TrajectoryWriter:
         if not partial_step:
             self._episode_steps += 1
 
-    @staticmethod
-    def _store(column: _Column, x: Any, step: int) -> int:
+    def _store(self, column: _Column, x: Any, step: int) -> int:
         row = column.nrows
         column.nrows = row + 1
         pos = row - column.buf_first_row
         if pos >= column.cap:
-            pos = column.compact()
+            pos = column.compact(self._release_views)
         column.buf[pos] = x
         column.row_step[pos] = step
         return row
@@ -957,31 +1092,25 @@ class TrajectoryWriter:
             specs.append((first.dtype, column.shape))
         return specs
 
-    def _table_info(self, table: str) -> pb.TableInfo:
-        info = self._table_infos.get(table)
+    def _table_info(self, table: str, refresh: bool = False) -> pb.TableInfo:
+        info = None if refresh else self._table_infos.get(table)
         if info is None:
-            info = self._client._table_info(table)
+            info = self._client._table_info(table, refresh=True) if refresh else self._client._table_info(table)
             self._table_infos[table] = info
         return info
 
     def _validate(self, table: str, flat: list[TrajectoryColumn], specs: list[tuple[np.dtype, tuple]]) -> None:
+        """Check the table exists and the item fits its signature (ValueError naming the table)."""
         cache_key = (table, tuple((dt.str, shape) for dt, shape in specs))
         if cache_key in self._validated:
             return
-        info = self._table_info(table)
-        if info.HasField("signature") and len(info.signature.leaves):
-            expected = signature_specs(info.signature)
-            if len(expected) != len(specs):
-                raise ValueError(
-                    f"Unable to create item in table '{table}': the trajectory has {len(specs)} columns but the "
-                    f"table signature has {len(expected)}")
-            for i, ((dtype, shape), spec) in enumerate(zip(specs, expected, strict=True)):
-                if dtype != spec.dtype or not shape_compatible(spec.shape, shape):
-                    label = spec.name or f"column {i}"
-                    raise ValueError(
-                        f"Unable to create item in table '{table}': {label} has dtype {dtype} and shape "
-                        f"{list(shape)} but the table signature expects dtype {spec.dtype} and shape "
-                        f"{[d if d is not None else None for d in spec.shape]}")
+        problem = _signature_problem(table, self._table_info(table), specs)
+        if problem is not None:
+            # The signature may have changed since it was fetched (a table that
+            # learns its signature from its first item, then was reset): look again.
+            problem = _signature_problem(table, self._table_info(table, refresh=True), specs)
+            if problem is not None:
+                raise ValueError(problem)
         if len(self._validated) > 1024:
             self._validated.clear()
         self._validated[cache_key] = True
@@ -1041,8 +1170,10 @@ class TrajectoryWriter:
             end = min(stop, pos + max_rows, next_episode)
             key = next(self._chunk_counter)
             rows = col.rows_array(pos, end)
-            out.append((key, col.dtype.str, rows.shape, rows.tobytes(), episode_id,
-                        col.row_step[pos - col.buf_first_row]))
+            data = memoryview(rows.reshape(-1).view(np.uint8))  # any dtype, no copy (rows are contiguous)
+            head = _chunk_head(key, col.dtype_wire, rows.shape, data.nbytes, episode_id,
+                                   col.row_step[pos - col.buf_first_row])
+            out.append((head, data))
             made.append((pos, end, key))
             pos = end
         return made
@@ -1074,39 +1205,36 @@ class TrajectoryWriter:
         return keys
 
     def _send(self, stream: _InsertStream, chunks: list[_Chunk], key: int, table: str, priority: float,
-              structure: pb.Structure, item_columns: list[tuple[list[tuple[int, int, int]], bool]]) -> None:
+              structure: bytes, item_columns: list[tuple[list[tuple[int, int, int]], bool]]) -> None:
         """Put the new chunks, then the item (and pending releases) into the stream's batch.
 
-        Messages are filled in place: nesting messages through constructor
-        arguments copies every buffer again.
+        Chunks are encoded by hand around their raw buffers (no copy until the
+        batch is joined into one message); the small item part is an encoded
+        InsertStreamRequest appended after them (protobuf concatenation merges).
         """
-        nbytes = sum(len(c[3]) for c in chunks)
+        nbytes = sum(len(head) + data.nbytes for head, data in chunks)
         remaining = nbytes
         # Chunks beyond one request's worth go first, in requests of their own.
         while remaining > MAX_REQUEST_BYTES and len(chunks) > 1:
-            batch, size = [], 0
-            while len(chunks) > 1 and (not batch or size + len(chunks[0][3]) <= MAX_REQUEST_BYTES):
-                size += len(chunks[0][3])
-                batch.append(chunks.pop(0))
-            _add_chunks(stream.request(size), batch)
+            size = 0
+            pieces = []
+            while len(chunks) > 1 and (not pieces or size + len(chunks[0][0]) + chunks[0][1].nbytes
+                                       <= MAX_REQUEST_BYTES):
+                head, data = chunks.pop(0)
+                pieces += (head, data)
+                size += len(head) + data.nbytes
+            stream.request(size).extend(pieces)
             stream.submit()
             remaining -= size
-        request = stream.request(remaining)
-        _add_chunks(request, chunks)
-        item = request.items.add()
-        item.key = key
-        item.table = table
-        item.priority = priority
-        item.structure.CopyFrom(structure)
-        for slices, squeeze in item_columns:
-            column = item.columns.add()
-            column.squeeze = squeeze
-            add = column.slices.add
-            for chunk_key, offset, length in slices:
-                add(chunk_key=chunk_key, offset=offset, length=length)
+        encoded = _encode_item(key, table.encode(), priority, structure, item_columns)
         if self._pending_release:
-            request.release_chunk_keys.extend(self._take_releases())
+            encoded += _encode_releases(self._take_releases())
+        pieces = stream.request(remaining + len(encoded))
+        for head, data in chunks:
+            pieces += (head, data)
+        pieces.append(encoded)
         stream.added(key, nbytes)
+        self._unsent = stream.batch is not None
 
     # ------------------------------------------------------------ stream --
     def _ready_stream(self, operation: str) -> _InsertStream:
@@ -1114,10 +1242,33 @@ class TrajectoryWriter:
         stream = self._stream
         if stream is None or stream.done:
             self._reset_chunks()
-            stream = self._stream = _InsertStream(self._client._stub)
+            try:
+                stream = self._stream = _InsertStream(self._client)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e, operation) from e
+            except (ValueError, RuntimeError) as e:  # e.g. the client's channel was closed
+                raise ServiceError(f"{operation}: cannot open the insert stream: {e}") from e
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close_stream, stream)
         return stream
+
+    def _release_views(self, column: _Column, target: np.ndarray) -> None:
+        """Send the pending batch if it holds views of ``target``, a buffer about to be overwritten.
+
+        Chunks are views of column buffers until their batch is joined into a
+        message (see ``_Column.compact``).
+        """
+        stream = self._stream
+        if stream is None or not stream.batch:
+            return
+        start = target.ctypes.data
+        end = start + target.nbytes
+        for piece in stream.batch:
+            if type(piece) is memoryview:
+                address = piece.obj.ctypes.data
+                if address < end and address + piece.nbytes > start:
+                    stream.submit()
+                    return
 
     def _raise_stream_error(self, operation: str) -> None:
         stream = self._stream
@@ -1146,6 +1297,22 @@ class TrajectoryWriter:
         return self._rng.getrandbits(64) or 1
 
 
+def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtype, tuple]]) -> str | None:
+    """Why an item of these column specs does not fit the table's signature (None: it fits)."""
+    if not info.HasField("signature") or not len(info.signature.leaves):
+        return None
+    expected = signature_specs(info.signature)
+    if len(expected) != len(specs):
+        return (f"Unable to create item in table '{table}': the trajectory has {len(specs)} columns but the table "
+                f"signature has {len(expected)}")
+    for i, ((dtype, shape), spec) in enumerate(zip(specs, expected, strict=True)):
+        if dtype != spec.dtype or not shape_compatible(spec.shape, shape):
+            label = spec.name or f"column {i}"
+            return (f"Unable to create item in table '{table}': {label} has dtype {dtype} and shape {list(shape)} "
+                    f"but the table signature expects dtype {spec.dtype} and shape {list(spec.shape)}")
+    return None
+
+
 def _merge_slices(slices: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """Join slices that continue each other within one chunk."""
     merged: list[list[int]] = []
@@ -1155,18 +1322,6 @@ def _merge_slices(slices: list[tuple[int, int, int]]) -> list[tuple[int, int, in
         else:
             merged.append([key, offset, length])
     return [(k, o, n) for k, o, n in merged]
-
-
-def _add_chunks(request: pb.InsertStreamRequest, chunks: list[_Chunk]) -> None:
-    for key, dtype, shape, data, episode_id, episode_step in chunks:
-        chunk = request.chunks.add()
-        chunk.chunk_key = key
-        chunk.episode_id = episode_id
-        chunk.episode_step = episode_step
-        tensor = chunk.data
-        tensor.dtype = dtype
-        tensor.shape.extend(shape)
-        tensor.data = data
 
 
 def _union(skeleton: Any, data: Any) -> Any:

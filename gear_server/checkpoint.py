@@ -114,35 +114,47 @@ class TableState:
 
 # ----------------------------------------------------------------- encoding ----
 # A state tree is made of dicts, lists, tuples, str, int, float, bool, None,
-# bytes, numpy scalars and numpy arrays. Arrays and bytes go to files; the rest
-# is JSON in the manifest, arrays replaced by {"$array": file}, bytes by
-# {"$bytes": file}, dicts with non-string keys by {"$items": [[k, v], ...]}.
+# bytes, numpy scalars and numpy arrays. Arrays and bytes go to files named
+# after their place in the tree; the rest is JSON in the manifest, arrays
+# replaced by {"$array": file}, bytes by {"$bytes": file}, dicts with
+# non-string keys by {"$items": [[k, v], ...]}.
 
-def _encode(node: Any, prefix: str, files: dict[str, Any], counter: list[int]) -> Any:
+def _component(text: str) -> str:
+    """One file-name-safe path component (no separators, no leading dots)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text).lstrip(".")[:64] or "_"
+
+
+def _file_name(prefix: str, path: tuple[str, ...], suffix: str, files: dict[str, Any]) -> str:
+    base = "/".join([prefix, *(_component(p) for p in path)]) if path else f"{prefix}/value"
+    name, n = base + suffix, 1
+    while name in files:  # two tree paths that sanitise alike
+        name, n = f"{base}~{n}{suffix}", n + 1
+    return name
+
+
+def _encode(node: Any, prefix: str, files: dict[str, Any], path: tuple[str, ...] = ()) -> Any:
     if isinstance(node, np.ndarray):
         if node.dtype.hasobject:
-            raise CheckpointError(f"{prefix}: object arrays cannot be checkpointed (no pickle)")
-        name = f"{prefix}/{counter[0]:04d}.npy"
-        counter[0] += 1
+            raise CheckpointError(f"{'/'.join(path)}: object arrays cannot be checkpointed (no pickle)")
+        name = _file_name(prefix, path, ".npy", files)
         files[name] = node
         return {"$array": name}
     if isinstance(node, bytes | bytearray | memoryview):
-        name = f"{prefix}/{counter[0]:04d}.bin"
-        counter[0] += 1
+        name = _file_name(prefix, path, ".bin", files)
         files[name] = bytes(node)
         return {"$bytes": name}
     if isinstance(node, np.generic):
         return node.item()
     if isinstance(node, Mapping):
         if all(isinstance(k, str) and not k.startswith("$") for k in node):
-            return {k: _encode(v, prefix, files, counter) for k, v in node.items()}
-        return {"$items": [[_encode(k, prefix, files, counter), _encode(v, prefix, files, counter)]
-                           for k, v in node.items()]}
+            return {k: _encode(v, prefix, files, (*path, *k.split("/"))) for k, v in node.items()}
+        return {"$items": [[_encode(k, prefix, files, (*path, str(i), "key")),
+                            _encode(v, prefix, files, (*path, str(i)))] for i, (k, v) in enumerate(node.items())]}
     if isinstance(node, list | tuple):
-        return [_encode(v, prefix, files, counter) for v in node]
+        return [_encode(v, prefix, files, (*path, str(i))) for i, v in enumerate(node)]
     if node is None or isinstance(node, bool | int | float | str):
         return node
-    raise CheckpointError(f"{prefix}: cannot checkpoint a value of type {type(node).__name__}")
+    raise CheckpointError(f"{'/'.join(path)}: cannot checkpoint a value of type {type(node).__name__}")
 
 
 def _decode(node: Any, load: Callable[[str, str], Any]) -> Any:
@@ -332,8 +344,8 @@ class Checkpointer:
     def _write_table(self, writer: _Writer, index: int, table: TableState) -> dict[str, Any]:
         prefix = _table_dir(index, table.config.name)
         files: dict[str, Any] = {}
-        tree = _encode(table.state, prefix, files, [0])
-        extra = _encode(table.extra, prefix + "/extra", files, [0])
+        tree = _encode(table.state, prefix, files)
+        extra = _encode(table.extra, prefix + "/extra", files)
         arrays = {}
         for name, value in files.items():
             if isinstance(value, np.ndarray):

@@ -10,11 +10,9 @@ extra services), ``bind()`` (address and credentials), ``start()`` and
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent import futures
@@ -23,8 +21,10 @@ from typing import Any
 import grpc
 
 from gear_client._proto import replay_pb2 as pb
+from gear_client.client import tune_allocator
 from gear_server import __version__
 from gear_server.config import DaemonSettings
+from gear_server.operations import Operations
 from gear_server.service import ReplayService
 from gear_server.storage import SegmentStore
 
@@ -40,23 +40,6 @@ GRPC_OPTIONS = [
 ]
 
 
-def tune_allocator() -> bool:
-    """Keep freed message buffers in the heap (glibc): fewer page faults per sampled byte.
-
-    Every SampleResponse is a fresh multi-MiB bytes object; with glibc's defaults
-    the heap top is trimmed and refaulted (and zeroed) for nearly every message.
-    Buffers under 64 MiB come from the heap and up to 512 MiB of free heap is kept.
-    """
-    if not sys.platform.startswith("linux") or os.environ.get("GEAR_MALLOC_TUNING", "1") == "0":
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 64 << 20)) and bool(libc.mallopt(m_trim_threshold, 512 << 20))
-    except (OSError, AttributeError):
-        return False
-
-
 def host_id() -> str:
     """This host's identity: learners offer theirs and the daemon compares them to pick the shm plane.
 
@@ -66,6 +49,16 @@ def host_id() -> str:
     from gear_client.data_planes.negotiation import local_host_id
 
     return local_host_id()
+
+
+def _add_port(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """The bound port, or 0 when the address cannot be bound (gRPC raises or returns 0 by version)."""
+    try:
+        if credentials is not None:  # TLS / mutual TLS ([auth] section)
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        return 0
 
 
 class Daemon:
@@ -87,6 +80,8 @@ class Daemon:
         self._stopped = threading.Event()
         self._state_lock = threading.Lock()
         self._started = False
+        # Checkpoints, health, metrics, auth/TLS, sd_notify (gear_server/operations.py).
+        self.ops = Operations(settings)
 
     # ------------------------------------------------------------------ steps
     def build_tables(self) -> dict[str, Any]:
@@ -101,15 +96,16 @@ class Daemon:
         for i, table_config in enumerate(self.config.tables):
             seed = None if self.seed is None else self.seed + i
             tables[table_config.name] = Table(table_config, self.store, seed=seed)
-        return tables
+        return self.ops.restore(tables, lambda config: Table(config, self.store, seed=self.seed))
 
     def build_service(self) -> ReplayService:
         return ReplayService(self.tables, host_id=self.host_id, version=__version__,
-                             checkpoint=self.checkpoint_function(), data_planes=self.build_data_planes())
+                             checkpoint=self.checkpoint_function(), data_planes=self.build_data_planes(),
+                             metrics=self.ops.metrics)
 
     def checkpoint_function(self):
         """The callable behind the Checkpoint RPC (None: UNIMPLEMENTED)."""
-        return None
+        return self.ops.checkpoint_function()
 
     def build_data_planes(self) -> Any:
         """The learner data-plane manager, when this build has one."""
@@ -117,30 +113,33 @@ class Daemon:
             from gear_server.data_planes.manager import DataPlaneManager
         except ImportError:
             return None
-        return DataPlaneManager(self.tables, self.host_id)
+        manager = DataPlaneManager(self.tables, self.host_id)
+        self.ops.attach_data_planes(manager)
+        return manager
 
     def server_options(self) -> list[tuple[str, Any]]:
         return list(GRPC_OPTIONS)
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
-        return []
+        return self.ops.interceptors()
 
     def build_server(self) -> grpc.Server:
         """The gRPC server with the replay service (and any extra services) registered."""
         executor = futures.ThreadPoolExecutor(max_workers=self.settings.max_workers, thread_name_prefix="gear-rpc")
         server = grpc.server(executor, options=self.server_options(), interceptors=self.interceptors())
         self.service.add_to_server(server)
+        self.ops.add_services(server)
         return server
 
     def bind(self, server: grpc.Server) -> int:
         """Bind the configured address; returns the port (the one picked when port is 0)."""
-        address = f"{self.config.bind_address or '[::]'}:{self.config.port}"
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"cannot bind {address}: {e}") from e
+        host = self.config.bind_address or "[::]"
+        credentials = self.ops.server_credentials()
+        port = _add_port(server, f"{host}:{self.config.port}", credentials)
+        if not port and host == "[::]":  # a host without IPv6: all IPv4 interfaces
+            port = _add_port(server, f"0.0.0.0:{self.config.port}", credentials)
         if not port:
-            raise OSError(f"cannot bind {address} (in use or not an address of this host)")
+            raise OSError(f"cannot bind {host}:{self.config.port} (in use or not an address of this host)")
         return port
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,7 +149,7 @@ class Daemon:
             if self._started:
                 raise RuntimeError("the daemon was already started")
             self._started = True
-        tune_allocator()
+        tune_allocator(mmap_threshold=64 << 20, trim_threshold=512 << 20)
         try:
             self.tables = self.build_tables()
             self.service = self.build_service()
@@ -164,6 +163,7 @@ class Daemon:
         log.info("serving %d table(s) [%s] on %s:%d (pid %d, segments in %s)", len(self.tables),
                  ", ".join(self.tables), self.config.bind_address or "[::]", self.port, os.getpid(),
                  self.config.shm_dir or "/dev/shm")
+        self.ops.started(self)
         return self.port
 
     def request_stop(self) -> None:
@@ -180,9 +180,13 @@ class Daemon:
         self._stop_requested.set()
         log.info("stopping")
         started = time.monotonic()
+        self.ops.stopping()
         if self.service is not None:
             self.service.stopping()
         done = self.server.stop(grace) if self.server is not None else None
+        if done is not None and self.ops.checkpointer is not None:
+            done.wait(grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
+        self.ops.final_checkpoint()
         for table in self.tables.values():
             try:
                 table.close()
@@ -194,6 +198,7 @@ class Daemon:
         if planes is not None and hasattr(planes, "shutdown"):
             planes.shutdown()
         self._release()
+        self.ops.stopped()
         log.info("stopped in %.2f s", time.monotonic() - started)
 
     def _release(self) -> None:

@@ -24,3 +24,7 @@ class RateLimiterTimeout(GearServerError, TimeoutError):
 
 class TableClosedError(GearServerError):
     """The table was closed (daemon stopping) while the call waited or ran (gRPC CANCELLED)."""
+
+
+class CallCancelled(GearServerError):
+    """The caller gave up (its RPC was cancelled) while the call waited on the rate limiter (gRPC CANCELLED)."""

@@ -254,7 +254,8 @@ class Callback(_Metric):
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} {self.kind}"
         for values, value in rows:
-            yield f"{self.name}{_labels(self.labelnames, tuple(values))} {_number(value)}"
+            values = (values,) if isinstance(values, str) else tuple(values)
+            yield f"{self.name}{_labels(self.labelnames, values)} {_number(value)}"
 
 
 class Registry:
@@ -285,6 +286,10 @@ class Registry:
                  fn: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> Callback:
         return self.add(Callback(name, help, labelnames, kind, fn))  # type: ignore[return-value]
 
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._metrics.pop(name, None)
+
     def render(self) -> str:
         with self._lock:
             metrics = list(self._metrics.values())
@@ -313,9 +318,8 @@ class ServerMetrics:
         self.transfer = r.histogram("gear_transfer_latency_seconds",
                                     "Time to move a sampled batch out of the table (inline: read and encode).",
                                     ["table", "plane"])
-        self.sessions = r.gauge("gear_data_plane_sessions", "Open data-plane sessions by kind.", ["kind"])
         self.sessions_opened = r.counter("gear_data_plane_sessions_opened_total",
-                                         "Data-plane sessions opened, by kind.", ["kind"])
+                                         "Data-plane negotiations answered, by the kind agreed.", ["kind"])
         self.rpcs = r.counter("gear_rpcs_total", "RPCs finished, by method and status code.", ["method", "code"])
         self.auth_denied = r.counter("gear_auth_denied_total", "Calls refused for a missing or wrong token.",
                                      ["method"])
@@ -352,18 +356,48 @@ class ServerMetrics:
         self.samples.labels(table).inc(items)
         self.bytes_out.labels(table, plane).inc(nbytes)
 
+    def item_inserted(self, table: str, columns: Sequence[Any]) -> None:
+        """One item in (its bytes counted from its columns: arrays or lists of chunk slices)."""
+        nbytes = 0
+        for column in columns:
+            nbytes += column.nbytes if hasattr(column, "nbytes") else sum(part.nbytes for part in column)
+        self.inserts.labels(table).inc()
+        self.bytes_in.labels(table).inc(nbytes)
+
+    def sample_served(self, table: str, items: int, nbytes: int, select_s: float, transfer_s: float) -> None:
+        """One inline SampleResponse: selection and read+encode times, items and bytes sent."""
+        self.samples.labels(table).inc(items)
+        self.bytes_out.labels(table, "inline").inc(nbytes)
+        self.selection.labels(table).observe(select_s)
+        self.transfer.labels(table, "inline").observe(transfer_s)
+
+    def plane_selected(self, table: Any, plane: str, selection: Any, select_s: float) -> None:
+        """One data-plane Select: items handed out by reference; bytes are what the learner may read."""
+        items = len(selection.slots)
+        nbytes = 0
+        layout = table.layout()
+        if layout is not None and items:
+            lengths = selection.lengths.reshape(items, -1).sum(axis=0)
+            nbytes = int(sum(int(n) * c.step_bytes for n, c in zip(lengths, layout.columns, strict=False)))
+        self.samples.labels(table.name).inc(items)
+        self.bytes_out.labels(table.name, plane).inc(nbytes)
+        self.selection.labels(table.name).observe(select_s)
+
+    def plane_opened(self, kind: str) -> None:
+        self.sessions_opened.labels(kind).inc()
+
+    def watch_sessions(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Report ``counts()`` (open data-plane sessions by kind) at every scrape."""
+        self.registry.remove("gear_data_plane_sessions")
+        self.registry.callback(
+            "gear_data_plane_sessions", "Open data-plane sessions by kind.", ["kind"], "gauge",
+            lambda: ((kind, n) for kind, n in sorted(counts().items())))
+
     def observe_selection(self, table: str, seconds: float) -> None:
         self.selection.labels(table).observe(seconds)
 
     def observe_transfer(self, table: str, plane: str, seconds: float) -> None:
         self.transfer.labels(table, plane).observe(seconds)
-
-    def session_opened(self, kind: str) -> None:
-        self.sessions.labels(kind).inc()
-        self.sessions_opened.labels(kind).inc()
-
-    def session_closed(self, kind: str) -> None:
-        self.sessions.labels(kind).dec()
 
     def rpc_finished(self, method: str, code: str) -> None:
         self.rpcs.labels(method, code).inc()
@@ -412,7 +446,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            body, status, ctype = self.server.render().encode(), 200, CONTENT_TYPE
+            try:
+                body, status, ctype = self.server.render().encode(), 200, CONTENT_TYPE
+            except Exception as exc:  # noqa: BLE001 (answer the scrape, keep serving)
+                log.exception("rendering metrics failed")
+                body, status, ctype = f"metrics failed: {exc}\n".encode(), 500, "text/plain"
         elif path == "/":
             body, status, ctype = b"gear-server: metrics at /metrics\n", 200, "text/plain"
         else:

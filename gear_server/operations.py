@@ -140,8 +140,12 @@ class Operations:
                  time.monotonic() - started)
         return merged
 
-    def set_tables(self, tables: Mapping[str, Any]) -> None:
-        self._tables = tables
+    def attach_data_planes(self, manager: Any) -> None:
+        """Count the manager's selections and read its open sessions for the metrics."""
+        manager.metrics = self.metrics
+        counts = getattr(manager.sessions, "counts_by_kind", None)
+        if counts is not None:
+            self.metrics.watch_sessions(counts)
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
         """RPC counting first (it sees refused calls too), then the token check."""

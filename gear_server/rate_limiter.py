@@ -22,7 +22,7 @@ import threading
 import time
 
 from gear_client._proto import replay_pb2 as pb
-from gear_server.errors import RateLimiterTimeout, TableClosedError
+from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
 
 
 class CallStats:
@@ -46,6 +46,10 @@ class CallStats:
         if blocked:
             self.limited += 1
             self.completed_wait_s += time.monotonic() - start
+
+    def discard(self, event: int) -> None:
+        """Forget a call whose caller went away (its RPC was cancelled): it did not happen."""
+        self._pending.pop(event, None)
 
     def add_unblocked(self, n: int) -> None:
         self.completed += n
@@ -105,14 +109,20 @@ class RateLimiter:
         return m
 
     # ------------------------------------------------------------ waiting
-    def await_insert(self, deadline: float | None) -> None:
-        """Wait until one more insert is allowed, then mark it pending."""
+    def await_insert(self, deadline: float | None, abandoned=None) -> None:
+        """Wait until one more insert is allowed, then mark it pending.
+
+        ``abandoned()`` true (checked at every wake-up, see ``wake_all``) ends the wait with CallCancelled.
+        """
         event = self.insert_stats.start()
         blocked = False
         try:
             while True:
                 if self.cancelled:
                     raise TableClosedError("table closed while an insert waited on the rate limiter")
+                if abandoned is not None and abandoned():
+                    blocked = None
+                    raise CallCancelled("the insert was cancelled while it waited on the rate limiter")
                 if self.can_insert(1):
                     break
                 blocked = True
@@ -129,17 +139,26 @@ class RateLimiter:
                     raise RateLimiterTimeout(
                         "Rate Limiter: Timeout exceeded before the right to insert was acquired.")
         finally:
-            self.insert_stats.finish(event, blocked)
+            if blocked is None:  # cancelled by its caller: not a completed call
+                self.insert_stats.discard(event)
+            else:
+                self.insert_stats.finish(event, blocked)
         self.pending_inserts += 1
 
-    def await_sample(self, deadline: float | None, ready=None) -> None:
-        """Wait until one sample is allowed (and ``ready()``, if given, holds); does not count it."""
+    def await_sample(self, deadline: float | None, ready=None, abandoned=None) -> None:
+        """Wait until one sample is allowed (and ``ready()``, if given, holds); does not count it.
+
+        ``abandoned()`` true (checked at every wake-up, see ``wake_all``) ends the wait with CallCancelled.
+        """
         event = self.sample_stats.start()
         blocked = False
         try:
             while True:
                 if self.cancelled:
                     raise TableClosedError("table closed while a sample waited on the rate limiter")
+                if abandoned is not None and abandoned():
+                    blocked = None
+                    raise CallCancelled("the sample was cancelled while it waited on the rate limiter")
                 if self.can_sample(1) and (ready is None or ready()):
                     break
                 blocked = True
@@ -157,8 +176,11 @@ class RateLimiter:
                         "Rate Limiter: Timeout exceeded before the right to sample was acquired.")
         finally:
             # The sample stats count this call only when it completes a sample; a timed-out
-            # or cancelled wait still counts as completed, as in Reverb.
-            self.sample_stats.finish(event, blocked)
+            # wait still counts as completed, as in Reverb; one whose caller went away does not.
+            if blocked is None:
+                self.sample_stats.discard(event)
+            else:
+                self.sample_stats.finish(event, blocked)
 
     # ------------------------------------------------------------ counters
     def insert_committed(self) -> None:
@@ -196,6 +218,11 @@ class RateLimiter:
             self._can_insert_cv.notify_all()
         if self._sample_waiters and self.can_sample(1):
             self._can_sample_cv.notify_all()
+
+    def wake_all(self) -> None:
+        """Wake every waiter so it re-checks its ``abandoned`` callable (lock held)."""
+        self._can_insert_cv.notify_all()
+        self._can_sample_cv.notify_all()
 
     def notify_samplers(self) -> None:
         """Wake samplers unconditionally (the table's own readiness changed)."""

@@ -37,8 +37,12 @@ def notify(*lines: str) -> bool:
 
 
 def ready(status: str = "") -> bool:
-    """Tell systemd the service is up (tables restored, gRPC serving)."""
-    return notify("READY=1", f"MAINPID={os.getpid()}", *([f"STATUS={status}"] if status else []))
+    """Tell systemd the service is up (tables restored, gRPC serving).
+
+    No MAINPID: the daemon is the unit's main process, and with the default
+    ``NotifyAccess=main`` systemd ignores a child that inherited the socket.
+    """
+    return notify("READY=1", *([f"STATUS={status}"] if status else []))
 
 
 def status(text: str) -> bool:

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from gear_client._proto import replay_pb2 as pb
-from gear_server.errors import RateLimiterTimeout, TableClosedError, TableNotFoundError
+from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ TARGET_SAMPLE_MESSAGE_BYTES = int(os.environ.get("GEAR_SAMPLE_MESSAGE_BYTES", 2 
 MAX_ITEMS_PER_SAMPLE_MESSAGE = 256
 # Structure nesting deeper than this is refused (a request must not exhaust the stack).
 MAX_STRUCTURE_DEPTH = 64
-# Blocked inserts and samples wake this often to notice a cancelled call.
-CANCEL_POLL_S = 0.25
 
 _ALLOWED_KINDS = frozenset("biufcSU")
 
@@ -222,8 +220,9 @@ class ReplayService:
     """The ReplayService RPCs over a dict of tables (register with ``add_to_server``)."""
 
     def __init__(self, tables: Mapping[str, Any], *, host_id: str = "", version: str = "",
-                 checkpoint: Callable[[], str] | None = None, data_planes: Any = None):
+                 checkpoint: Callable[[], str] | None = None, data_planes: Any = None, metrics: Any = None):
         self.tables = dict(tables)
+        self.metrics = metrics  # gear_server.metrics.ServerMetrics or None
         self.host_id = host_id
         self.version = version
         self.checkpoint_fn = checkpoint
@@ -241,25 +240,22 @@ class ReplayService:
             context.abort(grpc.StatusCode.NOT_FOUND, str(TableNotFoundError(name)))
         return table
 
-    def _blocking(self, call: Callable[[float | None], Any], deadline: float | None,
-                  context: grpc.ServicerContext) -> Any:
-        """Run ``call(timeout)`` until it succeeds, the deadline passes or the RPC ends.
+    def _abandoned_when_done(self, context: grpc.ServicerContext, tables: Any) -> Callable[[], bool]:
+        """A callable that turns true when the RPC ends (cancelled, deadline, client gone).
 
-        The tables block on their rate limiters with a timeout; a short one,
-        repeated, lets the call notice a cancelled RPC or a stopping daemon.
+        The RPC's end wakes the tables' blocked waiters, which then see it and
+        give up (CallCancelled) instead of taking an item nobody will receive.
         """
-        while True:
-            now = time.monotonic()
-            step = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S, max(0.0, deadline - now))
-            try:
-                return call(step)
-            except RateLimiterTimeout:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                if not context.is_active():
-                    raise _CallEnded() from None
-                if self._stopping.is_set():
-                    raise TableClosedError("the daemon is stopping") from None
+        ended = threading.Event()
+
+        def on_done() -> None:
+            ended.set()
+            for table in tables:
+                table.wake_waiters()
+
+        if not context.add_callback(on_done):
+            ended.set()
+        return ended.is_set
 
     @staticmethod
     def _abort_for(error: BaseException, context: grpc.ServicerContext) -> None:
@@ -268,6 +264,8 @@ class ReplayService:
             context.abort(grpc.StatusCode.NOT_FOUND, str(error))
         if isinstance(error, RateLimiterTimeout):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "rate limiter timeout")
+        if isinstance(error, CallCancelled):
+            context.abort(grpc.StatusCode.CANCELLED, str(error))
         if isinstance(error, TableClosedError):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error) or "table closed: the daemon is stopping")
         if isinstance(error, (ValueError, TypeError)):
@@ -278,7 +276,10 @@ class ReplayService:
     def InsertStream(self, request_iterator: Iterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
                      context: grpc.ServicerContext) -> Iterator[pb.InsertStreamResponse]:
         chunks: dict[int, _Chunk] = {}
+        abandoned = None
         for n, request in enumerate(request_iterator):
+            if isinstance(request, MalformedRequest):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"InsertStream request {n}: {request}")
             try:
                 for chunk in request.chunks:
                     chunks[chunk.chunk_key] = _Chunk(
@@ -293,10 +294,12 @@ class ReplayService:
                 log.info("InsertStream request %d refused: %s", n, e)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             keys = []
+            if prepared and abandoned is None:
+                abandoned = self._abandoned_when_done(context, self.tables.values())
             for table, item in prepared:
                 try:
-                    self._blocking(lambda t, table=table, item=item: table.insert(item, timeout=t), None, context)
-                except _CallEnded:
+                    table.insert(item, timeout=None, abandoned=abandoned)
+                except CallCancelled:
                     return
                 except Exception as e:  # noqa: BLE001 (mapped to a status below)
                     if keys:
@@ -304,6 +307,8 @@ class ReplayService:
                     log.info("InsertStream insert into '%s' refused: %s", table.name, e)
                     self._abort_for(e, context)
                 keys.append(item.key)
+                if self.metrics is not None:
+                    self.metrics.item_inserted(table.name, item.columns)
             for key in request.release_chunk_keys:
                 chunks.pop(key, None)
             if keys:
@@ -312,6 +317,7 @@ class ReplayService:
     # -------------------------------------------------------------- samples
     def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         """Streams serialized SampleResponses (registered with an identity serializer)."""
+        _check_wellformed(request, context)
         table = self._table(request.table, context)
         if request.num_samples < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_samples ({request.num_samples}) must be >= 1")
@@ -320,19 +326,26 @@ class ReplayService:
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         remaining = int(request.num_samples)
         per_message = int(request.max_items_per_message) or None
+        abandoned = self._abandoned_when_done(context, (table,))
         while remaining > 0:
             want = min(remaining, per_message or _guess_items_per_message(table))
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            started = time.perf_counter()
             try:
-                selection = self._blocking(lambda t, want=want: table.sample(want, timeout=t), deadline, context)
-            except _CallEnded:
+                selection = table.sample(want, timeout=timeout, abandoned=abandoned)
+            except CallCancelled:
                 return
             except Exception as e:  # noqa: BLE001
                 self._abort_for(e, context)
+            selected = time.perf_counter()
             try:
                 message = encode_selection(table, selection)
             finally:
                 table.release(selection.lease_id)
             remaining -= len(selection.keys)
+            if self.metrics is not None:
+                self.metrics.sample_served(table.name, len(selection.keys), len(message), selected - started,
+                                           time.perf_counter() - selected)
             yield message
 
     # -------------------------------------------------------------- the rest
@@ -393,7 +406,10 @@ class ReplayService:
         return getattr(self.data_planes, name)(request, context)
 
     def OpenDataPlane(self, request, context):  # noqa: N802
-        return self._plane("open", request, context)
+        response = self._plane("open", request, context)
+        if self.metrics is not None:
+            self.metrics.plane_opened(response.kind)
+        return response
 
     def Select(self, request, context):  # noqa: N802
         return self._plane("select", request, context)
@@ -408,14 +424,17 @@ class ReplayService:
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """Handlers for every RPC; Sample sends pre-serialized bytes."""
         def unary(fn, req):
+            def checked(request, context):
+                _check_wellformed(request, context)
+                return fn(request, context)
             return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=req.FromString, response_serializer=_serialize)
+                checked, request_deserializer=_lenient(req), response_serializer=_serialize)
         return {
             "InsertStream": grpc.stream_stream_rpc_method_handler(
-                self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString,
+                self.InsertStream, request_deserializer=_lenient(pb.InsertStreamRequest),
                 response_serializer=_serialize),
             "Sample": grpc.unary_stream_rpc_method_handler(
-                self.Sample, request_deserializer=pb.SampleRequest.FromString, response_serializer=_identity),
+                self.Sample, request_deserializer=_lenient(pb.SampleRequest), response_serializer=_identity),
             "MutatePriorities": unary(self.MutatePriorities, pb.MutatePrioritiesRequest),
             "Reset": unary(self.Reset, pb.ResetRequest),
             "ServerInfo": unary(self.ServerInfo, pb.ServerInfoRequest),
@@ -431,8 +450,30 @@ class ReplayService:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, self.method_handlers()),))
 
 
-class _CallEnded(Exception):
-    """The client cancelled the call (or its deadline passed) while it waited."""
+class MalformedRequest:
+    """Stands for request bytes that do not parse as the RPC's message (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"not a valid request message ({self.error})"
+
+
+def _lenient(message_type: Any) -> Callable[[bytes], Any]:
+    """A deserializer that hands unparsable bytes to the handler instead of failing the call as INTERNAL."""
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # noqa: BLE001 (protobuf raises DecodeError, or others on odd input)
+            return MalformedRequest(e)
+
+    return parse
+
+
+def _check_wellformed(request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, MalformedRequest):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
 
 def _identity(data: bytes) -> bytes:

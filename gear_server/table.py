@@ -35,7 +35,7 @@ import numpy as np
 
 from gear_client._proto import replay_pb2 as pb
 from gear_client.layout import TableLayout
-from gear_server.errors import RateLimiterTimeout, TableClosedError
+from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
 from gear_server.rate_limiter import RateLimiter, deadline_after
 from gear_server.selectors import make_selector
 from gear_server.storage import Segment, SegmentStore
@@ -342,6 +342,11 @@ class Table:
         with self._lock:
             return self._rate_limiter.can_insert(n)
 
+    def wake_waiters(self) -> None:
+        """Wake blocked inserts and samples so they re-check their ``abandoned`` callable (cancelled RPCs)."""
+        with self._lock:
+            self._rate_limiter.wake_all()
+
     def signature(self) -> pb.Signature | None:
         """The configured signature, or the one learned from the first item (None before it)."""
         with self._lock:
@@ -452,7 +457,7 @@ class Table:
                                      f"{list(fixed.step_shape)}")
 
     # ------------------------------------------------------------------ insert
-    def insert(self, item: ItemToInsert, timeout: float | None = None) -> None:
+    def insert(self, item: ItemToInsert, timeout: float | None = None, abandoned=None) -> None:
         """Insert (or, for an existing key, update the priority of) one item.
 
         Blocks while the rate limiter forbids the insert; RateLimiterTimeout after
@@ -468,7 +473,7 @@ class Table:
                 self._update_existing(prep.key, prep.priority)
                 return
             epoch = self._layout_epoch
-            self._rate_limiter.await_insert(deadline)
+            self._rate_limiter.await_insert(deadline, abandoned)
             try:
                 while True:
                     self._check_open()
@@ -595,7 +600,7 @@ class Table:
         self._rate_limiter.deleted()
 
     # ------------------------------------------------------------------ sample
-    def sample(self, num_samples: int, timeout: float | None = None) -> Selection:
+    def sample(self, num_samples: int, timeout: float | None = None, abandoned=None) -> Selection:
         """Pick ``num_samples`` items, each as if sampled alone; lease their slots.
 
         Each pick passes the rate limiter (blocking between picks as needed),
@@ -619,12 +624,12 @@ class Table:
                 waited = False
                 if k == 0:
                     try:
-                        rl.await_sample(deadline, ready=self._has_items)
+                        rl.await_sample(deadline, ready=self._has_items, abandoned=abandoned)
                     except RateLimiterTimeout:
                         if taken:
                             break
                         raise
-                    except TableClosedError:
+                    except (TableClosedError, CallCancelled):
                         self._release_chunks(chunks)
                         raise
                     waited = True
@@ -638,15 +643,16 @@ class Table:
                 rl.sampled(got)
                 self._worker_time_s += time.perf_counter() - t0
             lease_id = next(self._lease_ids)
-            slots = np.concatenate([c[0] for c in chunks])
+            if len(chunks) == 1:
+                slots, keys, probs, sizes, priorities, times = chunks[0]
+            else:
+                slots, keys, probs, sizes, priorities, times = (np.concatenate(parts) for parts in zip(*chunks, strict=True))
             self._leases[lease_id] = slots
             m = self.meta
             return Selection(
-                slots=slots, generations=m.generation[slots], lengths=m.length[slots],
-                keys=np.concatenate([c[1] for c in chunks]), probabilities=np.concatenate([c[2] for c in chunks]),
-                table_sizes=np.concatenate([c[3] for c in chunks]), priorities=np.concatenate([c[4] for c in chunks]),
-                times_sampled=np.concatenate([c[5] for c in chunks]), lease_id=lease_id,
-                layout_version=self._layout_version,
+                slots=slots, generations=m.generation[slots], lengths=m.length[slots], keys=keys,
+                probabilities=probs, table_sizes=sizes, priorities=priorities, times_sampled=times,
+                lease_id=lease_id, layout_version=self._layout_version,
             )
 
     def _has_items(self) -> bool:
@@ -656,29 +662,36 @@ class Table:
         """Up to k picks that see the same table (lock held); stops after a pick that deletes its item."""
         slots, probs = self._sampler.sample(k, self._rng)
         m = self.meta
-        # occurrence index of each pick among earlier picks of the same slot
+        # occurrence index of each pick among earlier picks of the same slot (None: all distinct)
+        occ = None
         if k > 1:
             order = np.argsort(slots, kind="stable")
             s = slots[order]
-            starts = np.ones(k, np.bool_)
-            starts[1:] = s[1:] != s[:-1]
-            group_start = np.maximum.accumulate(np.where(starts, np.arange(k), 0))
-            occ = np.empty(k, np.int64)
-            occ[order] = np.arange(k) - group_start
-        else:
-            occ = np.zeros(k, np.int64)
+            same = s[1:] == s[:-1]
+            if same.any():
+                starts = np.ones(k, np.bool_)
+                starts[1:] = ~same
+                group_start = np.maximum.accumulate(np.where(starts, np.arange(k), 0))
+                occ = np.empty(k, np.int64)
+                occ[order] = np.arange(k) - group_start
         before = m.times_sampled[slots]
-        times = (before + occ + 1).astype(np.int32)
+        times = before + 1 if occ is None else (before + occ + 1).astype(np.int32)
         mts = self.max_times_sampled
         if mts:
             hits = np.flatnonzero(times >= mts)
             if hits.size:
                 cut = int(hits[0]) + 1
-                slots, probs, times, occ, before = slots[:cut], probs[:cut], times[:cut], occ[:cut], before[:cut]
+                slots, probs, times, before = slots[:cut], probs[:cut], times[:cut], before[:cut]
+                occ = None if occ is None else occ[:cut]
         size = len(self._key_to_slot)
-        self._num_unique_samples += int(np.count_nonzero((before == 0) & (occ == 0)))
-        np.add.at(m.times_sampled, slots, 1)
-        np.add.at(m.leases, slots, 1)
+        first = before == 0 if occ is None else (before == 0) & (occ == 0)
+        self._num_unique_samples += int(np.count_nonzero(first))
+        if occ is None:
+            m.times_sampled[slots] += 1
+            m.leases[slots] += 1
+        else:
+            np.add.at(m.times_sampled, slots, 1)
+            np.add.at(m.leases, slots, 1)
         chunk = (slots, m.key[slots], probs, np.full(len(slots), size, np.int64), m.priority[slots], times)
         if mts and times[-1] >= mts:
             self._delete_slot(int(slots[-1]))
@@ -733,7 +746,10 @@ class Table:
 
     def _release_slots(self, slots: np.ndarray) -> None:
         m = self.meta
-        np.subtract.at(m.leases, slots, 1)
+        if len(slots) > 1 and len(np.unique(slots)) != len(slots):
+            np.subtract.at(m.leases, slots, 1)
+        else:
+            m.leases[slots] -= 1
         if self._zombies:
             for s in np.unique(slots[m.leases[slots] == 0]).tolist():
                 if s in self._zombies:
@@ -754,41 +770,45 @@ class Table:
         ValueError (nothing changed) if any new priority is NaN, negative or infinite.
         """
         if updates is None:
-            pairs: list[tuple[int, float]] = []
+            keys: list[int] = []
+            prios = np.zeros(0)
         elif isinstance(updates, Mapping):
-            pairs = list(updates.items())
+            keys = list(updates.keys())
+            prios = np.fromiter(updates.values(), np.float64, len(keys))
         else:
             pairs = list(updates)
-        keys = [int(k) for k, _ in pairs]
-        prios = np.array([float(p) for _, p in pairs], np.float64) if pairs else np.zeros(0)
+            keys = [k for k, _ in pairs]
+            prios = np.array([float(p) for _, p in pairs], np.float64)
         bad = np.flatnonzero(~np.isfinite(prios) | (prios < 0))
         if bad.size:
             i = int(bad[0])
             check_priority(prios[i], f"new priority of key {keys[i]}")
-        prios = prios + 0.0
-        delete_keys = [int(k) for k in (deletes or ())]
+        prios = prios + 0.0  # -0.0 -> 0.0
+        delete_keys = list(deletes) if deletes is not None else []
         with self._lock:
             self._check_open()
             t0 = time.perf_counter()
+            k2s = self._key_to_slot
             for key in delete_keys:
-                slot = self._key_to_slot.get(key)
+                slot = k2s.get(key)
                 if slot is not None:
                     self._delete_slot(slot)
-            # last update of a key wins; order of application = order given
-            latest: dict[int, int] = {}
-            for i, key in enumerate(keys):
-                if key in self._key_to_slot:
-                    latest[key] = i
-            if latest:
-                idx = np.fromiter(sorted(latest.values()), np.int64, len(latest))
-                slots = np.fromiter((self._key_to_slot[keys[i]] for i in idx.tolist()), np.int64, len(idx))
-                values = prios[idx]
-                seqs = np.arange(self._seq + 1, self._seq + 1 + len(idx), dtype=np.int64)
-                self._seq += len(idx)
-                self.meta.priority[slots] = values
-                self.meta.update_seq[slots] = seqs
-                self._sampler.update_many(slots, values, seqs)
-                self._remover.update_many(slots, values, seqs)
+            if keys:
+                slots = np.fromiter((k2s.get(k, -1) for k in keys), np.int64, len(keys))
+                known = slots >= 0
+                slots, values = slots[known], prios[known]
+                if not isinstance(updates, Mapping) and len(np.unique(slots)) != len(slots):
+                    # the last update of a key wins; keep the given order of the survivors
+                    _, last_rev = np.unique(slots[::-1], return_index=True)
+                    keep = np.sort(len(slots) - 1 - last_rev)
+                    slots, values = slots[keep], values[keep]
+                if len(slots):
+                    seqs = np.arange(self._seq + 1, self._seq + 1 + len(slots), dtype=np.int64)
+                    self._seq += len(slots)
+                    self.meta.priority[slots] = values
+                    self.meta.update_seq[slots] = seqs
+                    self._sampler.update_many(slots, values, seqs)
+                    self._remover.update_many(slots, values, seqs)
             self._worker_time_s += time.perf_counter() - t0
 
     def reset(self) -> None:

@@ -150,7 +150,8 @@ class WeightOffload:
         if not self._all_dirty:
             parts = self._dirty_arrays + ([np.asarray(self._dirty_slots, dtype=np.int64)] if self._dirty_slots else [])
             if parts:
-                slots = np.unique(np.concatenate(parts))
+                # Repeated slots are fine: each entry carries the slot's current weight.
+                slots = np.concatenate(parts) if len(parts) > 1 else parts[0]
                 if slots.shape[0] * 8 > self.capacity:
                     self._all_dirty = True
                 else:

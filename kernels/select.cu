@@ -10,19 +10,24 @@
 #define MODE_UNIFORM 1
 
 // ---------------------------------------------------------------------------
-// Weights and their two-level inclusive scan.
+// Weights and their cumulative sums, in three levels.
 //
-// Tile t covers slots [t * TILE, (t + 1) * TILE). Thread j of a tile folds its
-// SCAN_ITEMS weights left to right; thread totals are folded left to right by
-// one thread (so each thread's exclusive prefix is exactly the previous
-// thread's last cumulative value, and the cumulative array is monotone); the
-// tile's cumulative values are excl + running. The last tile to finish folds
-// the tile sums into block_prefix[nb + 1] and the valid counts into
-// count_prefix[nb + 1].
+// Tile j covers slots [j * TILE, (j + 1) * TILE). Inside a tile, thread m owns
+// the subtile {tile0 + k * 256 + m : k = 0..15} (so the loads of a warp are
+// coalesced), and the tile's canonical order is subtile by subtile, k within a
+// subtile. Every cumulative value is a left fold in that order: a thread folds
+// its 16 weights, thread 0 folds the 256 subtile totals (sub_prefix holds each
+// subtile's exclusive prefix), and the last tile to finish folds the tile sums
+// into block_prefix[nb + 1] (and the valid counts into count_prefix). Left
+// folds make every level monotone, so a draw never lands on a zero weight.
+// Only the subtile prefixes are written (N / 16 values); the search refolds
+// the 16 weights of the one subtile a draw lands in.
 // ---------------------------------------------------------------------------
 #define SCAN_THREADS 256
 #define SCAN_ITEMS 16
 #define SCAN_TILE (SCAN_THREADS * SCAN_ITEMS)
+#define FOLD_CHUNK 1024
+#define SEARCH_SMEM_PREFIX 4097  // tile prefixes staged in shared memory by the search (tables up to 16M slots)
 
 __device__ __forceinline__ double gear_weight(double p, u8 valid, double exponent, int mode) {
     if (!valid) return 0.0;
@@ -30,13 +35,21 @@ __device__ __forceinline__ double gear_weight(double p, u8 valid, double exponen
     if (!(p > 0.0)) return 0.0;  // priority 0 has weight 0, even for exponent 0
     if (exponent == 1.0) return p;
     if (exponent == 0.0) return 1.0;
-    return pow(p, exponent);
+    // exp(e * log p): within a few ulps of pow(p, e) (the weights feed a sampler,
+    // not an identity), at a fraction of pow's cost.
+    return exp(exponent * log(p));
+}
+
+__device__ __forceinline__ double gear_weight_at(const double* priority, const u8* valid, i64 i, i64 n,
+                                                 double exponent, int mode) {
+    if (i >= n) return 0.0;
+    return gear_weight(mode == MODE_UNIFORM ? 0.0 : priority[i], valid[i], exponent, mode);
 }
 
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 gear_weight_scan(const double* __restrict__ priority, const u8* __restrict__ valid, i64 n,
                  double exponent, int mode,
-                 double* __restrict__ local_cum,     // [n]
+                 double* __restrict__ sub_prefix,    // [nb * 256]
                  double* __restrict__ block_sum,     // [nb]
                  i64* __restrict__ block_count,      // [nb]
                  double* __restrict__ block_prefix,  // [nb + 1]
@@ -46,87 +59,83 @@ gear_weight_scan(const double* __restrict__ priority, const u8* __restrict__ val
     __shared__ double s_total[SCAN_THREADS];
     __shared__ i32 s_count[SCAN_THREADS];
     __shared__ double s_excl[SCAN_THREADS];
+    __shared__ double s_bs[FOLD_CHUNK];
+    __shared__ i64 s_bc[FOLD_CHUNK];
     __shared__ bool s_last;
 
-    const i64 base = (i64)blockIdx.x * SCAN_TILE + (i64)threadIdx.x * SCAN_ITEMS;
-    double run[SCAN_ITEMS];
+    const i64 tile0 = (i64)blockIdx.x * SCAN_TILE;
+    double w[SCAN_ITEMS];
+    u8 v[SCAN_ITEMS];
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; ++k) {  // all loads first: 16 in flight per thread
+        const i64 i = tile0 + (i64)k * SCAN_THREADS + threadIdx.x;
+        v[k] = i < n ? valid[i] : (u8)0;
+        w[k] = (i < n && mode != MODE_UNIFORM) ? priority[i] : 0.0;
+    }
     double acc = 0.0;
     i32 cnt = 0;
-    if (base + SCAN_ITEMS <= n) {
-        const double2* p2 = reinterpret_cast<const double2*>(priority + base);
-        const uint4 v = *reinterpret_cast<const uint4*>(valid + base);
-        const u32 vw[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int k = 0; k < SCAN_ITEMS / 2; ++k) {
-            const double2 d = (mode == MODE_UNIFORM) ? make_double2(0.0, 0.0) : p2[k];
-            const u8 v0 = (u8)((vw[(2 * k) / 4] >> (8 * ((2 * k) % 4))) & 0xffu);
-            const u8 v1 = (u8)((vw[(2 * k + 1) / 4] >> (8 * ((2 * k + 1) % 4))) & 0xffu);
-            const double w0 = gear_weight(d.x, v0, exponent, mode);
-            const double w1 = gear_weight(d.y, v1, exponent, mode);
-            cnt += (v0 != 0) + (v1 != 0);
-            acc = __dadd_rn(acc, w0);
-            run[2 * k] = acc;
-            acc = __dadd_rn(acc, w1);
-            run[2 * k + 1] = acc;
-        }
-    } else {
-#pragma unroll
-        for (int k = 0; k < SCAN_ITEMS; ++k) {
-            const i64 i = base + k;
-            double w = 0.0;
-            if (i < n) {
-                const u8 vi = valid[i];
-                w = gear_weight(mode == MODE_UNIFORM ? 0.0 : priority[i], vi, exponent, mode);
-                cnt += (vi != 0);
-            }
-            acc = __dadd_rn(acc, w);
-            run[k] = acc;
-        }
+    for (int k = 0; k < SCAN_ITEMS; ++k) {
+        acc = __dadd_rn(acc, gear_weight(w[k], v[k], exponent, mode));
+        cnt += (v[k] != 0);
     }
     s_total[threadIdx.x] = acc;
     s_count[threadIdx.x] = cnt;
     __syncthreads();
     if (threadIdx.x == 0) {
+        // A left fold: serial by definition, so the loads of each group of 8 go first.
         double e = 0.0;
         i64 c = 0;
-        for (int t = 0; t < SCAN_THREADS; ++t) {
-            s_excl[t] = e;
-            e = __dadd_rn(e, s_total[t]);
-            c += s_count[t];
+        for (int t = 0; t < SCAN_THREADS; t += 8) {
+            double tv[8];
+            i32 cc[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) { tv[q] = s_total[t + q]; cc[q] = s_count[t + q]; }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) { s_excl[t + q] = e; e = __dadd_rn(e, tv[q]); c += cc[q]; }
         }
         block_sum[blockIdx.x] = e;
         block_count[blockIdx.x] = c;
     }
     __syncthreads();
-    const double excl = s_excl[threadIdx.x];
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; ++k) {
-        const i64 i = base + k;
-        if (i < n) local_cum[i] = __dadd_rn(excl, run[k]);
-    }
+    sub_prefix[(i64)blockIdx.x * SCAN_THREADS + threadIdx.x] = s_excl[threadIdx.x];
 
     // The last tile to finish folds the tile sums (the classic fence + counter pattern).
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const u32 ticket = atomicAdd(done, 1u);
-        s_last = (ticket == gridDim.x - 1);
-    }
+    __threadfence();
     __syncthreads();
-    if (s_last && threadIdx.x == 0) {
-        __threadfence();
-        const i64 nb = gridDim.x;
-        double e = 0.0;
-        i64 c = 0;
-        block_prefix[0] = 0.0;
-        count_prefix[0] = 0;
-        for (i64 j = 0; j < nb; ++j) {
-            e = __dadd_rn(e, __ldcg(block_sum + j));
-            c += __ldcg(block_count + j);
-            block_prefix[j + 1] = e;
-            count_prefix[j + 1] = c;
+    if (threadIdx.x == 0) s_last = (atomicAdd(done, 1u) == gridDim.x - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const i64 nb = gridDim.x;
+    double e = 0.0;
+    i64 c = 0;
+    if (threadIdx.x == 0) { block_prefix[0] = 0.0; count_prefix[0] = 0; }
+    for (i64 j0 = 0; j0 < nb; j0 += FOLD_CHUNK) {
+        __syncthreads();
+        for (int q = threadIdx.x; q < FOLD_CHUNK; q += SCAN_THREADS) {
+            const i64 j = j0 + q;
+            s_bs[q] = j < nb ? __ldcg(block_sum + j) : 0.0;
+            s_bc[q] = j < nb ? __ldcg(block_count + j) : 0;
         }
-        *done = 0u;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const i64 m = (nb - j0 < FOLD_CHUNK) ? nb - j0 : FOLD_CHUNK;
+            for (int q = 0; q < m; q += 8) {
+                double bv[8];
+                i64 cc[8];
+#pragma unroll
+                for (int r = 0; r < 8; ++r) { bv[r] = s_bs[q + r]; cc[r] = s_bc[q + r]; }
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                    e = __dadd_rn(e, bv[r]);
+                    c += cc[r];
+                    if (q + r < m) { block_prefix[j0 + q + r + 1] = e; count_prefix[j0 + q + r + 1] = c; }
+                }
+            }
+        }
     }
+    if (threadIdx.x == 0) *done = 0u;
 }
 
 // Smallest j in [lo, hi) with a[j] > x (hi if none): a is nondecreasing.
@@ -155,22 +164,42 @@ __device__ __forceinline__ i64 gear_upper_bound_i64(const i64* a, i64 lo, i64 hi
     return lo;
 }
 
-// One draw per thread: sample s uses counter0 + s. Prioritized: t = u * total,
-// tile j = first with block_prefix[j + 1] > t, slot = first in the tile with
-// local_cum > t - block_prefix[j] (clamped to the tile's last positive weight
-// when rounding puts t at the very end). Uniform (or all weights zero): the
-// floor(u * n_valid)-th valid slot, probability 1 / n_valid.
+// Subtile m's inclusive cumulative value in tile coordinates: the next
+// subtile's exclusive prefix, or the tile sum for the last one.
+__device__ __forceinline__ double gear_sub_incl(const double* E, double tile_sum, int m) {
+    return m < SCAN_THREADS - 1 ? E[m + 1] : tile_sum;
+}
+
+// One draw per thread: draw s uses counter counter0 + s. Prioritized: t = u * total;
+// tile j = first with block_prefix[j + 1] > t; subtile m = first whose inclusive
+// value exceeds r = t - block_prefix[j]; slot = first of its 16 whose value
+// sub_prefix + fold exceeds r. Where rounding puts r at or past the end of a
+// level, the first item reaching that level's end is taken (it has a positive
+// weight). Uniform: the same search over counts with t = floor(u * n_valid), the
+// t-th valid slot in canonical order. All weights zero: the floor(u * n_valid)-th
+// valid slot, found by counting. Probabilities: w / total, or 1 / n_valid.
 extern "C" __global__ void __launch_bounds__(256)
 gear_weighted_search(const double* __restrict__ priority, const u8* __restrict__ valid, i64 n,
                      double exponent, int mode,
-                     const double* __restrict__ local_cum, const double* __restrict__ block_prefix,
-                     const i64* __restrict__ count_prefix, i64 nb,
-                     u64 seed_state, u64 counter0, i64 batch,
+                     const double* __restrict__ sub_prefix, const double* __restrict__ block_sum,
+                     const double* __restrict__ block_prefix, const i64* __restrict__ count_prefix, i64 nb,
+                     u64 seed_state, u64 counter0, const u64* __restrict__ rng_params, i64 batch,
                      i64* __restrict__ out_slots, double* __restrict__ out_prob)
 {
+    __shared__ double s_prefix[SEARCH_SMEM_PREFIX];
+    const double* prefix = block_prefix;
+    if (nb + 1 <= SEARCH_SMEM_PREFIX) {
+        for (i64 j = threadIdx.x; j <= nb; j += blockDim.x) s_prefix[j] = block_prefix[j];
+        __syncthreads();
+        prefix = s_prefix;
+    }
     const i64 s = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= batch) return;
-    const double total = block_prefix[nb];
+    if (rng_params) {  // a replayed CUDA graph passes its draws' seed and counter in device memory
+        seed_state = rng_params[0];
+        counter0 = rng_params[1];
+    }
+    const double total = prefix[nb];
     const i64 n_valid = count_prefix[nb];
     if (n_valid <= 0) {
         out_slots[s] = -1;
@@ -178,22 +207,24 @@ gear_weighted_search(const double* __restrict__ priority, const u8* __restrict__
         return;
     }
     const double u = gear_random_unit(seed_state, counter0 + (u64)s);
+    const bool fallback = mode != MODE_UNIFORM && !(total > 0.0);
+    i64 idx = 0;
+    if (mode == MODE_UNIFORM || fallback) {
+        idx = (i64)__dmul_rn(u, (double)n_valid);
+        if (idx >= n_valid) idx = n_valid - 1;
+    }
     i64 slot;
     double prob;
-    if (mode == MODE_UNIFORM || !(total > 0.0)) {
-        i64 idx = (i64)__dmul_rn(u, (double)n_valid);
-        if (idx >= n_valid) idx = n_valid - 1;
+    if (fallback) {
+        // Every weight is zero: the idx-th valid slot in canonical order, by counting.
         const i64 j = gear_upper_bound_i64(count_prefix, 1, nb + 1, idx) - 1;
         i64 r = idx - count_prefix[j];
-        const i64 lo = j * SCAN_TILE;
-        const i64 hi = (lo + SCAN_TILE < n) ? lo + SCAN_TILE : n;
-        if (mode == MODE_UNIFORM) {
-            // Counts are exact in doubles: the first slot whose count exceeds r.
-            slot = gear_upper_bound(local_cum, lo, hi, (double)r);
-        } else {
-            slot = hi - 1;
-            for (i64 i = lo; i < hi; ++i) {
-                if (valid[i]) {
+        const i64 tile0 = j * SCAN_TILE;
+        slot = -1;
+        for (int m = 0; m < SCAN_THREADS && slot < 0; ++m) {
+            for (int k = 0; k < SCAN_ITEMS; ++k) {
+                const i64 i = tile0 + (i64)k * SCAN_THREADS + m;
+                if (i < n && valid[i]) {
                     if (r == 0) { slot = i; break; }
                     --r;
                 }
@@ -201,16 +232,53 @@ gear_weighted_search(const double* __restrict__ priority, const u8* __restrict__
         }
         prob = 1.0 / (double)n_valid;
     } else {
-        const double t = __dmul_rn(u, total);
-        i64 jp = gear_upper_bound(block_prefix, 1, nb + 1, t);
-        if (jp > nb) jp = gear_lower_bound(block_prefix, 1, nb + 1, total);
+        const double t = mode == MODE_UNIFORM ? (double)idx : __dmul_rn(u, total);
+        i64 jp = gear_upper_bound(prefix, 1, nb + 1, t);
+        if (jp > nb) jp = gear_lower_bound(prefix, 1, nb + 1, total);
         const i64 j = jp - 1;
-        const double r = __dsub_rn(t, block_prefix[j]);
-        const i64 lo = j * SCAN_TILE;
-        const i64 hi = (lo + SCAN_TILE < n) ? lo + SCAN_TILE : n;
-        slot = gear_upper_bound(local_cum, lo, hi, r);
-        if (slot >= hi) slot = gear_lower_bound(local_cum, lo, hi, local_cum[hi - 1]);
-        prob = gear_weight(priority[slot], valid[slot], exponent, mode) / total;
+        const double r = __dsub_rn(t, prefix[j]);
+        const double tile_sum = block_sum[j];
+        const double* E = sub_prefix + j * SCAN_THREADS;
+        int lo = 0, hi = SCAN_THREADS;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (gear_sub_incl(E, tile_sum, mid) > r) hi = mid; else lo = mid + 1;
+        }
+        if (lo == SCAN_THREADS) {  // r at or past the tile's end: the first subtile reaching it
+            lo = 0; hi = SCAN_THREADS;
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (gear_sub_incl(E, tile_sum, mid) >= tile_sum) hi = mid; else lo = mid + 1;
+            }
+        }
+        const int m = lo;
+        const double e = E[m];
+        const i64 tile0 = j * SCAN_TILE;
+        double w[SCAN_ITEMS];
+#pragma unroll
+        for (int k = 0; k < SCAN_ITEMS; ++k)
+            w[k] = gear_weight_at(priority, valid, tile0 + (i64)k * SCAN_THREADS + m, n, exponent, mode);
+        double c = 0.0, val_end;
+        int chosen = -1;
+        double vals[SCAN_ITEMS];
+#pragma unroll
+        for (int k = 0; k < SCAN_ITEMS; ++k) {
+            c = __dadd_rn(c, w[k]);
+            vals[k] = __dadd_rn(e, c);
+            if (chosen < 0 && vals[k] > r) chosen = k;
+        }
+        val_end = vals[SCAN_ITEMS - 1];
+        if (chosen < 0) {  // r at or past the subtile's end: the first item reaching it
+#pragma unroll
+            for (int k = SCAN_ITEMS - 1; k >= 0; --k)
+                if (vals[k] >= val_end) chosen = k;
+        }
+        double wc = 0.0;
+#pragma unroll
+        for (int k = 0; k < SCAN_ITEMS; ++k)
+            if (k == chosen) wc = w[k];
+        slot = tile0 + (i64)chosen * SCAN_THREADS + m;
+        prob = mode == MODE_UNIFORM ? 1.0 / (double)n_valid : wc / total;
     }
     out_slots[s] = slot;
     out_prob[s] = prob;
@@ -322,33 +390,37 @@ gear_radix_pass(int mode, int level, int pass, i64 n, const u8* __restrict__ val
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    const u32 mine = __ldcg(hist + threadIdx.x);
-    s_hist[threadIdx.x] = mine;
+    // Suffix sums over the bins (inclusive: bins >= b); the one bin where the
+    // wanted count falls is the digit.
+    __shared__ u64 s_suf[RADIX_BINS];
+    const u64 want = state[RS_REMAINING];
+    const u64 mine = __ldcg(hist + threadIdx.x);
+    s_suf[threadIdx.x] = mine;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 want = state[RS_REMAINING];
-        u64 above = 0, seen = 0;
-        int digit = 0;
-        for (int b = 0; b < RADIX_BINS; ++b) seen += s_hist[b];
-        if (level == 0 && pass == 0) state[RS_CANDIDATES] = seen;
-        for (int b = RADIX_BINS - 1; b >= 0; --b) {
-            if (above + s_hist[b] >= want) { digit = b; break; }
-            above += s_hist[b];
-        }
-        const u64 new_prefix = prefix | ((u64)digit << shift);
+    for (int off = 1; off < RADIX_BINS; off <<= 1) {
+        const u64 add = (threadIdx.x + off < RADIX_BINS) ? s_suf[threadIdx.x + off] : 0;
+        __syncthreads();
+        s_suf[threadIdx.x] += add;
+        __syncthreads();
+    }
+    const u64 incl = s_suf[threadIdx.x];
+    const u64 above = incl - mine;
+    if (threadIdx.x == 0 && level == 0 && pass == 0) state[RS_CANDIDATES] = s_suf[0];
+    if (above < want && want <= incl) {
+        const u64 new_prefix = prefix | ((u64)threadIdx.x << shift);
         state[RS_REMAINING] = want - above;
         if (pass == 64 / RADIX_BITS - 1) {
             state[RS_THR0 + level] = new_prefix;
-            state[RS_EQ] = s_hist[digit];
+            state[RS_EQ] = mine;
             state[RS_PREFIX] = 0;
             state[RS_MASK] = 0;
         } else {
             state[RS_PREFIX] = new_prefix;
             state[RS_MASK] = mask | ((u64)(RADIX_BINS - 1) << shift);
         }
-        *done = 0u;
     }
     hist[threadIdx.x] = 0u;
+    if (threadIdx.x == 0) *done = 0u;
 }
 
 // Writes every valid slot whose composite key, up to `level`, is greater than
@@ -389,6 +461,25 @@ __device__ __forceinline__ bool gear_better(u64 a0, u64 a1, u64 a2, u64 b0, u64 
     return a2 > b2;
 }
 
+// Block-wide best of each thread's candidate (bs = slot + 1, 0 = none); the
+// winner ends in s_k[.][0], s_slot[0]. blockDim.x must be 256.
+__device__ __forceinline__ void gear_block_best(u64 (*s_k)[256], u64* s_slot, u64 b0, u64 b1, u64 b2, u64 bs) {
+    s_k[0][threadIdx.x] = b0; s_k[1][threadIdx.x] = b1; s_k[2][threadIdx.x] = b2; s_slot[threadIdx.x] = bs;
+    __syncthreads();
+    for (int stride = 128; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            const int o = threadIdx.x + stride;
+            if (s_slot[o] && (!s_slot[threadIdx.x] ||
+                              gear_better(s_k[0][o], s_k[1][o], s_k[2][o],
+                                          s_k[0][threadIdx.x], s_k[1][threadIdx.x], s_k[2][threadIdx.x]))) {
+                s_k[0][threadIdx.x] = s_k[0][o]; s_k[1][threadIdx.x] = s_k[1][o];
+                s_k[2][threadIdx.x] = s_k[2][o]; s_slot[threadIdx.x] = s_slot[o];
+            }
+        }
+        __syncthreads();
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 gear_argbest(int mode, i64 n, const u8* __restrict__ valid, const double* __restrict__ priority,
              const i64* __restrict__ insert_seq, const i64* __restrict__ update_seq,
@@ -405,20 +496,7 @@ gear_argbest(int mode, i64 n, const u8* __restrict__ valid, const double* __rest
             b0 = k.k[0]; b1 = k.k[1]; b2 = k.k[2]; bs = (u64)i + 1;
         }
     }
-    s_k[0][threadIdx.x] = b0; s_k[1][threadIdx.x] = b1; s_k[2][threadIdx.x] = b2; s_slot[threadIdx.x] = bs;
-    __syncthreads();
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) {
-            const int o = threadIdx.x + stride;
-            if (s_slot[o] && (!s_slot[threadIdx.x] ||
-                              gear_better(s_k[0][o], s_k[1][o], s_k[2][o],
-                                          s_k[0][threadIdx.x], s_k[1][threadIdx.x], s_k[2][threadIdx.x]))) {
-                s_k[0][threadIdx.x] = s_k[0][o]; s_k[1][threadIdx.x] = s_k[1][o];
-                s_k[2][threadIdx.x] = s_k[2][o]; s_slot[threadIdx.x] = s_slot[o];
-            }
-        }
-        __syncthreads();
-    }
+    gear_block_best(s_k, s_slot, b0, b1, b2, bs);
     if (threadIdx.x == 0) {
         u64* p = partial + 4 * (u64)blockIdx.x;
         p[0] = s_k[0][0]; p[1] = s_k[1][0]; p[2] = s_k[2][0]; p[3] = s_slot[0];
@@ -426,26 +504,32 @@ gear_argbest(int mode, i64 n, const u8* __restrict__ valid, const double* __rest
         s_last = (atomicAdd(done, 1u) == gridDim.x - 1);
     }
     __syncthreads();
-    if (!s_last || threadIdx.x != 0) return;
+    if (!s_last) return;
     __threadfence();
     u64 c0 = 0, c1 = 0, c2 = 0, cs = 0;
-    for (u32 j = 0; j < gridDim.x; ++j) {
+    for (u32 j = threadIdx.x; j < gridDim.x; j += blockDim.x) {
         const u64* p = partial + 4 * (u64)j;
         const u64 ps = __ldcg(p + 3);
         if (!ps) continue;
         const u64 p0 = __ldcg(p), p1 = __ldcg(p + 1), p2 = __ldcg(p + 2);
         if (!cs || gear_better(p0, p1, p2, c0, c1, c2)) { c0 = p0; c1 = p1; c2 = p2; cs = ps; }
     }
-    *out_slot = (i64)cs - 1;
-    *done = 0u;
+    __syncthreads();
+    gear_block_best(s_k, s_slot, c0, c1, c2, cs);
+    if (threadIdx.x == 0) {
+        *out_slot = (i64)s_slot[0] - 1;
+        *done = 0u;
+    }
 }
 
 // ---------------------------------------------------------------------------
 // Batched metadata writes. Duplicate slots in one batch: the last entry wins,
-// as with NumPy's a[idx] = v. Pass 0 claims each slot for its last entry
-// (atomicMax of (epoch << 32 | entry) in `winner`, a u64 per slot that is never
-// cleared: a fresh epoch per batch outranks every older claim); pass 1 writes
-// the claimed entries.
+// as with NumPy's a[idx] = v. Each entry first claims its slot (atomicMax of
+// (epoch << 32 | entry) in `winner`, a u64 per slot that is never cleared: a
+// fresh epoch per batch outranks every older claim), then the claimed entries
+// are written. mode 2 does both in one launch (the last block to finish its
+// claims writes every entry: for batches up to tens of thousands); modes 0
+// and 1 are the two halves, as two launches, for larger batches.
 // ---------------------------------------------------------------------------
 #define FIELD_PRIORITY 1
 #define FIELD_UPDATE_SEQ 2
@@ -453,30 +537,56 @@ gear_argbest(int mode, i64 n, const u8* __restrict__ valid, const double* __rest
 #define FIELD_VALID 8
 #define FIELD_TIMES_SAMPLED 16
 
-extern "C" __global__ void __launch_bounds__(256)
-gear_scatter(int pass, int fields, const i64* __restrict__ slots, i64 count, i64 n, u64 epoch,
-             u64* __restrict__ winner,
-             const double* __restrict__ new_priority, const i64* __restrict__ new_update_seq,
-             const i64* __restrict__ new_insert_seq, const u8* __restrict__ new_valid,
-             const i32* __restrict__ new_times_sampled,
-             double* __restrict__ priority, i64* __restrict__ update_seq, i64* __restrict__ insert_seq,
-             u8* __restrict__ valid, i32* __restrict__ times_sampled)
-{
-    const i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= count) return;
+__device__ __forceinline__ void gear_write_claimed(i64 e, int fields, const i64* slots, i64 n, u64 epoch,
+                                                   const u64* winner, const double* new_priority,
+                                                   const i64* new_update_seq, const i64* new_insert_seq,
+                                                   const u8* new_valid, const i32* new_times_sampled,
+                                                   double* priority, i64* update_seq, i64* insert_seq,
+                                                   u8* valid, i32* times_sampled) {
     const i64 slot = slots[e];
     if (slot < 0 || slot >= n) return;
-    const u64 tag = (epoch << 32) | (u64)e;
-    if (pass == 0) {
-        atomicMax(winner + slot, tag);
-        return;
-    }
-    if (winner[slot] != tag) return;
+    if (__ldcg(winner + slot) != ((epoch << 32) | (u64)e)) return;
     if (fields & FIELD_PRIORITY) priority[slot] = new_priority[e];
     if (fields & FIELD_UPDATE_SEQ) update_seq[slot] = new_update_seq[e];
     if (fields & FIELD_INSERT_SEQ) insert_seq[slot] = new_insert_seq[e];
     if (fields & FIELD_VALID) valid[slot] = new_valid[e];
     if (fields & FIELD_TIMES_SAMPLED) times_sampled[slot] = new_times_sampled[e];
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+gear_scatter(int mode, int fields, const i64* __restrict__ slots, i64 count, i64 n, u64 epoch,
+             u64* __restrict__ winner,
+             const double* __restrict__ new_priority, const i64* __restrict__ new_update_seq,
+             const i64* __restrict__ new_insert_seq, const u8* __restrict__ new_valid,
+             const i32* __restrict__ new_times_sampled,
+             double* __restrict__ priority, i64* __restrict__ update_seq, i64* __restrict__ insert_seq,
+             u8* __restrict__ valid, i32* __restrict__ times_sampled, u32* __restrict__ done,
+             const u64* __restrict__ epoch_param)
+{
+    __shared__ bool s_last;
+    if (epoch_param) epoch = *epoch_param;  // a replayed CUDA graph passes the epoch in device memory
+    const i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (mode == 1) {
+        if (e < count)
+            gear_write_claimed(e, fields, slots, n, epoch, winner, new_priority, new_update_seq, new_insert_seq,
+                               new_valid, new_times_sampled, priority, update_seq, insert_seq, valid, times_sampled);
+        return;
+    }
+    if (e < count) {
+        const i64 slot = slots[e];
+        if (slot >= 0 && slot < n) atomicMax(winner + slot, (epoch << 32) | (u64)e);
+    }
+    if (mode == 0) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = (atomicAdd(done, 1u) == gridDim.x - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (i64 f = threadIdx.x; f < count; f += blockDim.x)
+        gear_write_claimed(f, fields, slots, n, epoch, winner, new_priority, new_update_seq, new_insert_seq,
+                           new_valid, new_times_sampled, priority, update_seq, insert_seq, valid, times_sampled);
+    if (threadIdx.x == 0) *done = 0u;
 }
 
 // times_sampled[slot] += 1 per occurrence (a slot drawn twice counts twice).

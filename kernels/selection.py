@@ -17,7 +17,12 @@ import numpy as np
 
 from . import twins
 from ._backend import is_device_array, kernel, require_cupy, staging
+from ._replay import Replay, ReplayCache
 from .rng import CounterRng
+
+# Host-facing calls (draws returned to the host, updates from host arrays) replay
+# CUDA graphs: one launch instead of several Python-side launches per call.
+USE_GRAPHS = True
 
 SCAN_TILE = twins.SCAN_TILE
 KEY_MODES = twins.KEY_MODES
@@ -25,6 +30,7 @@ KEY_MODES = twins.KEY_MODES
 # Mirrors select.cu.
 _RS_REMAINING, _RS_EQ, _RS_CANDIDATES, _RS_WORDS = 2, 6, 7, 8
 _RADIX_PASSES = 8
+_FUSED_SCATTER_MAX = 1 << 16  # batches up to this many entries take one launch (the last block writes them all)
 _FIELDS = {"priority": (1, np.float64), "update_seq": (2, np.int64), "insert_seq": (4, np.int64),
            "valid": (8, np.bool_), "times_sampled": (16, np.int32)}
 
@@ -46,7 +52,7 @@ class _Workspace:
     def __init__(self, cp: Any, n: int):
         nb = max(1, -(-n // SCAN_TILE))
         self.n, self.nb = n, nb
-        self.local_cum = cp.empty(n, dtype=cp.float64)
+        self.sub_prefix = cp.empty(nb * twins.SCAN_THREADS, dtype=cp.float64)
         self.block_sum = cp.empty(nb, dtype=cp.float64)
         self.block_count = cp.empty(nb, dtype=cp.int64)
         self.block_prefix = cp.empty(nb + 1, dtype=cp.float64)
@@ -59,6 +65,7 @@ class _Workspace:
         self.winner = None
         self.epoch = 0
         self.lock = threading.Lock()
+        self.replays = ReplayCache()
 
 
 _workspaces: dict[tuple[int, int], _Workspace] = {}
@@ -102,19 +109,21 @@ def weighted_sample(priority: Any, valid: Any, batch: int, rng: CounterRng, *, e
     _check_device(cp, "valid", valid, n, cp.bool_)
     if not uniform:
         _check_device(cp, "priority", priority, n, cp.float64)
+    prio = valid if uniform else priority
+    mode = np.int32(1 if uniform else 0)
+    if host and USE_GRAPHS and batch and n:
+        return _weighted_replayed(cp, prio, valid, n, exponent, mode, rng.state, counter0, batch)
     out = cp.empty(2 * batch, dtype=cp.int64)
     slots, probs = out[:batch], out[batch:].view(cp.float64)
     if batch == 0:
-        return slots, probs
+        return (slots.get(), probs.get()) if host else (slots, probs)
     if n == 0:
         slots.fill(-1)
         probs.fill(0.0)
-        return slots, probs
-    ws = _workspace(cp, n)
-    prio = valid if uniform else priority
-    mode = np.int32(1 if uniform else 0)
-    with ws.lock:
-        _launch_weighted(ws, prio, valid, n, exponent, mode, rng.state, counter0, batch, slots, probs)
+    else:
+        ws = _workspace(cp, n)
+        with ws.lock:
+            _launch_weighted(ws, prio, valid, n, exponent, mode, rng.state, counter0, None, batch, slots, probs)
     if host:
         both = staging().download(out)
         return both[:batch], both[batch:].view(np.float64)
@@ -122,16 +131,41 @@ def weighted_sample(priority: Any, valid: Any, batch: int, rng: CounterRng, *, e
 
 
 def _launch_weighted(ws: _Workspace, prio: Any, valid: Any, n: int, exponent: float, mode: Any, state: int,
-                     counter0: int, batch: int, slots: Any, probs: Any) -> None:
+                     counter0: int, rng_params: Any, batch: int, slots: Any, probs: Any) -> None:
     kernel("select", "gear_weight_scan")(
         (ws.nb,), (256,),
-        (prio, valid, np.int64(n), np.float64(exponent), mode, ws.local_cum, ws.block_sum, ws.block_count,
+        (prio, valid, np.int64(n), np.float64(exponent), mode, ws.sub_prefix, ws.block_sum, ws.block_count,
          ws.block_prefix, ws.count_prefix, ws.counters[0:1]))
     kernel("select", "gear_weighted_search")(
         (-(-batch // 256),), (256,),
-        (prio, valid, np.int64(n), np.float64(exponent), mode, ws.local_cum, ws.block_prefix,
-         ws.count_prefix, np.int64(ws.nb), np.uint64(state), np.uint64(counter0), np.int64(batch),
-         slots, probs))
+        (prio, valid, np.int64(n), np.float64(exponent), mode, ws.sub_prefix, ws.block_sum, ws.block_prefix,
+         ws.count_prefix, np.int64(ws.nb), np.uint64(state), np.uint64(counter0),
+         np.uint64(0) if rng_params is None else rng_params, np.int64(batch), slots, probs))
+
+
+def _weighted_replayed(cp: Any, prio: Any, valid: Any, n: int, exponent: float, mode: Any, state: int,
+                       counter0: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """weighted_sample(host=True) as one graph replay: seed and counter in, slots and probabilities out."""
+    ws = _workspace(cp, n)
+
+    def build() -> Replay:
+        kernel("select", "gear_weight_scan")
+        kernel("select", "gear_weighted_search")  # loaded before capture
+
+        def launch(dev_in: Any, dev_out: Any) -> None:
+            out = dev_out[:16 * batch].view(cp.int64)
+            _launch_weighted(ws, prio, valid, n, exponent, mode, 0, 0, dev_in[:16].view(cp.uint64), batch,
+                             out[:batch], out[batch:].view(cp.float64))
+
+        return Replay(cp, 16, 16 * batch, launch, keep=(prio, valid))
+
+    key = ("weighted", prio.data.ptr, valid.data.ptr, n, float(exponent), int(mode), batch)
+    with ws.lock:
+        replay = ws.replays.get(key, build)
+        replay.host_in[:16].view(np.uint64)[:] = (state, counter0)
+        replay.run()
+        both = replay.host_out[:16 * batch]
+        return both[:8 * batch].view(np.int64).copy(), both[8 * batch:].view(np.float64).copy()
 
 
 def top_k(mode: int | str, k: int, valid: Any, *, priority: Any = None, insert_seq: Any = None,
@@ -252,8 +286,13 @@ def scatter(slots: Any, targets: Mapping[str, Any], values: Mapping[str, Any]) -
     n = first.shape[0]
     for f in names:
         _check_device(cp, f, targets[f], n, _FIELDS[f][1])
-    host = [np.asarray(slots, dtype=np.int64)] + [np.asarray(values[f], dtype=_FIELDS[f][1]) for f in names] \
-        if not is_device_array(slots) else None
+    host = [np.ascontiguousarray(slots, dtype=np.int64)] + \
+        [np.ascontiguousarray(values[f], dtype=_FIELDS[f][1]) for f in names] if not is_device_array(slots) else None
+    if host is not None and USE_GRAPHS and 0 < host[0].shape[0] <= _FUSED_SCATTER_MAX:
+        if any(v.shape != host[0].shape for v in host[1:]):
+            raise ValueError("scatter: every value array needs one entry per slot")
+        _scatter_replayed(cp, n, names, targets, host)
+        return
     if host is not None:
         dev = staging().upload(host)
         slots_dev, vals = dev[0], dict(zip(names, dev[1:], strict=True))
@@ -279,11 +318,63 @@ def scatter(slots: Any, targets: Mapping[str, Any], values: Mapping[str, Any]) -
             ws.epoch = 0
         ws.epoch += 1
         grid = (-(-count // 256),)
-        for p in (0, 1):
+        modes = (2,) if count <= _FUSED_SCATTER_MAX else (0, 1)
+        for mode in modes:
             kernel("select", "gear_scatter")(
                 grid, (256,),
-                (np.int32(p), np.int32(fields), slots_dev, np.int64(count), np.int64(n), np.uint64(ws.epoch),
-                 ws.winner, *args_vals, *args_targets))
+                (np.int32(mode), np.int32(fields), slots_dev, np.int64(count), np.int64(n), np.uint64(ws.epoch),
+                 ws.winner, *args_vals, *args_targets, ws.counters[3:4], np.uint64(0)))
+
+
+def _scatter_replayed(cp: Any, n: int, names: list[str], targets: Mapping[str, Any], host: list[np.ndarray]) -> None:
+    """scatter() from host arrays as one graph replay per batch-size bucket (padding entries have slot -1)."""
+    ws = _workspace(cp, n)
+    count = host[0].shape[0]
+    bucket = max(256, 1 << (count - 1).bit_length())
+    sizes = [bucket * 8] + [-(-bucket * np.dtype(_FIELDS[f][1]).itemsize // 16) * 16 for f in names]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    epoch_at = int(offsets[-1])
+    fields = sum(_FIELDS[f][0] for f in names)
+    target_list = [targets[f] for f in names]
+
+    def build() -> Replay:
+        kernel("select", "gear_scatter")
+
+        def launch(dev_in: Any, dev_out: Any) -> None:
+            slots_dev = dev_in[:bucket * 8].view(cp.int64)
+            vals = {f: dev_in[offsets[i + 1]:offsets[i + 1] + bucket * np.dtype(_FIELDS[f][1]).itemsize]
+                    .view(_FIELDS[f][1]) for i, f in enumerate(names)}
+            null = slots_dev
+            args_vals = tuple(vals.get(f, null) for f in ("priority", "update_seq", "insert_seq", "valid",
+                                                          "times_sampled"))
+            args_targets = tuple(targets.get(f, null) for f in ("priority", "update_seq", "insert_seq", "valid",
+                                                                "times_sampled"))
+            for mode in (0, 1):  # claim, then write: two graph nodes cost less than one serial last block
+                kernel("select", "gear_scatter")(
+                    (bucket // 256,), (256,),
+                    (np.int32(mode), np.int32(fields), slots_dev, np.int64(bucket), np.int64(n), np.uint64(0),
+                     ws.winner, *args_vals, *args_targets, ws.counters[3:4],
+                     dev_in[epoch_at:epoch_at + 8].view(cp.uint64)))
+
+        return Replay(cp, epoch_at + 16, 0, launch, keep=tuple(target_list))
+
+    key = ("scatter", fields, tuple(t.data.ptr for t in target_list), n, bucket)
+    with ws.lock:
+        if ws.winner is None or ws.epoch >= 0xFFFFFFFF:
+            ws.winner = cp.zeros(n, dtype=cp.uint64)
+            ws.epoch = 0
+            ws.replays = ReplayCache()  # graphs hold the old winner array's address
+        ws.epoch += 1
+        replay = ws.replays.get(key, build)
+        buf = replay.host_in
+        slots_h = buf[:bucket * 8].view(np.int64)
+        slots_h[:count] = host[0]
+        slots_h[count:] = -1
+        for i, f in enumerate(names):
+            itemsize = np.dtype(_FIELDS[f][1]).itemsize
+            buf[offsets[i + 1]:offsets[i + 1] + count * itemsize] = host[i + 1].view(np.uint8)
+        buf[epoch_at:epoch_at + 8].view(np.uint64)[0] = ws.epoch
+        replay.run()
 
 
 def increment_times_sampled(times_sampled: Any, slots: Any) -> None:

@@ -50,24 +50,62 @@ def weights(priority: np.ndarray, valid: np.ndarray, exponent: float, uniform: b
     return w
 
 
-def tiled_scan(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's two-level inclusive scan: (local_cum[n], block_prefix[nb + 1]).
-
-    local_cum restarts at each tile of SCAN_TILE slots; block_prefix folds the
-    tile sums. Same additions in the same order as gear_weight_scan.
-    """
-    n = w.shape[0]
+def canonical_order(n: int) -> np.ndarray:
+    """Slots in the kernel's cumulative order: tile by tile; in a tile, subtile m
+    (slots tile0 + k * 256 + m, k = 0..15) by subtile, k within it. Only slots < n."""
     nb = max(1, -(-n // SCAN_TILE))
-    padded = np.zeros(nb * SCAN_TILE, dtype=np.float64)
-    padded[:n] = w
-    run = np.cumsum(padded.reshape(nb, SCAN_THREADS, SCAN_ITEMS), axis=2)
-    incl = np.cumsum(run[:, :, -1], axis=1)
-    excl = np.zeros_like(incl)
-    excl[:, 1:] = incl[:, :-1]
-    cum = (excl[:, :, None] + run).reshape(-1)[:n]
-    block_prefix = np.zeros(nb + 1, dtype=np.float64)
-    block_prefix[1:] = np.cumsum(incl[:, -1])
-    return cum, block_prefix
+    order = np.arange(nb * SCAN_TILE, dtype=np.int64).reshape(nb, SCAN_ITEMS, SCAN_THREADS).transpose(0, 2, 1)
+    order = order.reshape(-1)
+    return order[order < n]
+
+
+class TiledScan:
+    """The kernel's cumulative sums (gear_weight_scan), with the same additions in the same order.
+
+    run[j, k, m]: subtile m's fold of its first k + 1 weights; sub_prefix[j, m]:
+    subtile m's exclusive prefix in tile j; block_sum[j]; block_prefix[nb + 1].
+    """
+
+    def __init__(self, w: np.ndarray):
+        n = w.shape[0]
+        self.n = n
+        self.nb = nb = max(1, -(-n // SCAN_TILE))
+        padded = np.zeros(nb * SCAN_TILE, dtype=np.float64)
+        padded[:n] = w
+        self.w = padded.reshape(nb, SCAN_ITEMS, SCAN_THREADS)
+        self.run = np.cumsum(self.w, axis=1)
+        incl = np.cumsum(self.run[:, -1, :], axis=1)
+        self.sub_prefix = np.zeros_like(incl)
+        self.sub_prefix[:, 1:] = incl[:, :-1]
+        self.block_sum = incl[:, -1].copy()
+        self.block_prefix = np.zeros(nb + 1, dtype=np.float64)
+        self.block_prefix[1:] = np.cumsum(self.block_sum)
+
+    def search(self, t: np.ndarray, total: float) -> np.ndarray:
+        """The kernel's three-level search for each target t (gear_weighted_search)."""
+        nb = self.nb
+        tile = np.searchsorted(self.block_prefix[1:], t, side="right")
+        tile[tile >= nb] = np.searchsorted(self.block_prefix[1:], total, side="left")
+        r = t - self.block_prefix[tile]
+        slots = np.empty(t.shape[0], dtype=np.int64)
+        for j in np.unique(tile).tolist():
+            pick = tile == j
+            rj = r[pick]
+            incl = np.append(self.sub_prefix[j, 1:], self.block_sum[j])
+            m = np.searchsorted(incl, rj, side="right")
+            m[m >= SCAN_THREADS] = np.searchsorted(incl, self.block_sum[j], side="left")
+            vals = self.sub_prefix[j, m][:, None] + self.run[j][:, m].T  # [draws, 16]
+            k = np.argmax(vals > rj[:, None], axis=1)
+            none = ~(vals > rj[:, None]).any(axis=1)
+            if none.any():
+                k[none] = np.argmax(vals[none] >= vals[none, -1:], axis=1)
+            slots[pick] = j * SCAN_TILE + k * SCAN_THREADS + m
+        return slots
+
+
+def tiled_scan(w: np.ndarray) -> TiledScan:
+    """The kernel's cumulative sums over weights w (see TiledScan)."""
+    return TiledScan(w)
 
 
 def weighted_sample(priority: np.ndarray, valid: np.ndarray, batch: int, state: int, counter0: int,
@@ -75,34 +113,27 @@ def weighted_sample(priority: np.ndarray, valid: np.ndarray, batch: int, state: 
     """Draw `batch` slots with replacement: (slots int64, probabilities float64).
 
     Prioritized (uniform=False): probability w / sum(w); all-zero weights fall
-    back to uniform over the valid slots. Uniform: 1 / n_valid. Draw s uses
-    counter counter0 + s. No valid slot: every slot is -1, probability 0.
+    back to uniform over the valid slots. Uniform: 1 / n_valid (the
+    floor(u * n_valid)-th valid slot in canonical order). Draw s uses counter
+    counter0 + s. No valid slot: every slot is -1, probability 0.
     """
     valid = np.asarray(valid, dtype=bool)
     n_valid = int(np.count_nonzero(valid))
     if n_valid == 0:
         return np.full(batch, -1, dtype=np.int64), np.zeros(batch)
     u = rng.random_unit(state, counter0, batch)
-    n = valid.shape[0]
     w = weights(priority, valid, exponent, uniform)
-    cum, block_prefix = tiled_scan(w)
-    total = block_prefix[-1]
+    scan = tiled_scan(w)
+    total = scan.block_prefix[-1]
     if uniform or not total > 0:
         idx = np.minimum((u * float(n_valid)).astype(np.int64), n_valid - 1)
-        return np.flatnonzero(valid)[idx].astype(np.int64), np.full(batch, 1.0 / n_valid)
-    t = u * total
-    nb = block_prefix.shape[0] - 1
-    tile = np.searchsorted(block_prefix[1:], t, side="right")
-    tile[tile >= nb] = np.searchsorted(block_prefix[1:], total, side="left")
-    r = t - block_prefix[tile]
-    slots = np.empty(batch, dtype=np.int64)
-    for j in np.unique(tile):
-        pick = tile == j
-        lo, hi = int(j) * SCAN_TILE, min(n, (int(j) + 1) * SCAN_TILE)
-        local = cum[lo:hi]
-        i = np.searchsorted(local, r[pick], side="right")
-        i[i >= hi - lo] = np.searchsorted(local, local[-1], side="left")
-        slots[pick] = lo + i
+        if uniform:
+            slots = scan.search(idx.astype(np.float64), total)
+        else:
+            order = canonical_order(valid.shape[0])
+            slots = order[valid[order]][idx]
+        return slots, np.full(batch, 1.0 / n_valid)
+    slots = scan.search(u * total, total)
     return slots, w[slots] / total
 
 

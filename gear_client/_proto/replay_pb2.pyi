@@ -508,16 +508,20 @@ class SelectRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
-    __slots__ = ("refs", "info", "layout_version", "lease_id")
+    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region")
     REFS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     refs: _containers.RepeatedCompositeFieldContainer[ItemRef]
     info: _containers.RepeatedCompositeFieldContainer[SampleInfo]
     layout_version: int
     lease_id: int
-    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    layout: TableLayout
+    region: RdmaRegion
+    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")

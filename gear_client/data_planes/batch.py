@@ -61,7 +61,7 @@ class SampledBatch:
     def item_columns(self, i: int) -> list[Any]:
         """Item i's leaves, each cut to the item's own length (``[*shape]`` for squeezed columns)."""
         lengths = self.lengths[i].tolist()
-        return [col[i] if self.squeeze[c] else col[i, :lengths[c]] for c, col in enumerate(self.columns)]
+        return [col[i, ...] if self.squeeze[c] else col[i, :lengths[c]] for c, col in enumerate(self.columns)]
 
     def items(self) -> list[ReplaySample]:
         """One ReplaySample per item (its own length, data in the item structure)."""
@@ -106,12 +106,14 @@ class BufferPool:
         self.max_buffers = max_buffers
 
     def get(self, nbytes: int) -> Any:
-        for i, buf in enumerate(self._buffers):
-            # references: the list, `buf`, getrefcount's argument
+        for i in range(len(self._buffers)):
+            buf = self._buffers[i]
+            # references: the list, `buf` and getrefcount's argument (no iterator may hold one)
             if buf.nbytes >= nbytes and sys.getrefcount(buf) <= 3:
                 del self._buffers[i]
                 self._buffers.append(buf)
                 return buf
+            del buf
         buf = self._allocate(nbytes)
         self._buffers.append(buf)
         if len(self._buffers) > self.max_buffers:

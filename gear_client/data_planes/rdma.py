@@ -164,7 +164,7 @@ class RdmaPlane:
 
     kind = "rdma"
 
-    def __init__(self, session: PlaneSession, layout: TableLayout, region: pb.RdmaRegion, connection, *,
+    def __init__(self, session: PlaneSession, layout: TableLayout | None, region: pb.RdmaRegion | None, connection, *,
                  chain_length: int = DEFAULT_CHAIN_LENGTH, balance_chunk: int | None = BALANCE_CHUNK,
                  timeout_s: float = READ_TIMEOUT_S):
         self.session = session
@@ -177,6 +177,12 @@ class RdmaPlane:
         self.timeout_s = timeout_s
         self._pool = BufferPool(allocate=connection.allocate)
         self.last_plan: ReadPlan | None = None
+
+    def set_layout(self, layout: TableLayout, region: pb.RdmaRegion | None) -> None:
+        """The table's layout changed: read the new segment's region from now on."""
+        if region is None:
+            raise RdmaReadError("the daemon sent a new layout without its RDMA region")
+        self.layout, self.region = layout, region
 
     def fetch(self, selection: ItemSelection, window: WindowSpec) -> SampledBatch:
         layout = self.layout

@@ -51,9 +51,11 @@ def connect(target: Any) -> tuple[Any, Any, Any]:
         _, stub, sample_call = target._connect()
         return stub, sample_call, None
     if isinstance(target, str):
+        from gear_client.auth import ChannelSecurity
         from gear_client.client import CHANNEL_OPTIONS
 
-        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        # An address alone: token and TLS come from the GEAR_* environment (gear_client/auth.py).
+        channel = ChannelSecurity.build().channel(target, options=CHANNEL_OPTIONS)
         return pb_grpc.ReplayServiceStub(channel), _raw_sample_call(channel), channel
     if isinstance(target, grpc.Channel):
         return pb_grpc.ReplayServiceStub(target), _raw_sample_call(target), None
@@ -70,7 +72,7 @@ class PlaneSampler:
 
     def __init__(self, target: Any, table: str, *, planes=None, device: Any = None, rdma_device: str | None = None,
                  num_qps: int | None = None, metadata=None, host_id: str | None = None,
-                 max_stale_retries: int = MAX_STALE_RETRIES):
+                 max_stale_retries: int = MAX_STALE_RETRIES, rdma_connection=None):
         self.table = table
         self.planes = negotiation.normalise_planes(planes)
         self.device = device
@@ -79,6 +81,8 @@ class PlaneSampler:
         self.metadata = metadata
         self.host_id = host_id or negotiation.local_host_id()
         self.max_stale_retries = max_stale_retries
+        # () -> a connected-to-be RDMA transport or None; default: the verbs device found by probing
+        self._rdma_connection_factory = rdma_connection or self._verbs_connection
         self._stub, self._sample_call, self._channel = connect(target)
         self._excluded: set[str] = set()
         self._lock = threading.RLock()
@@ -107,6 +111,9 @@ class PlaneSampler:
     def _rdma_connection(self, allowed: list[str]):
         if negotiation.RDMA not in allowed:
             return None
+        return self._rdma_connection_factory()
+
+    def _verbs_connection(self):
         from gear_client.data_planes import verbs
 
         port = verbs.probe(self.rdma_device)
@@ -145,12 +152,7 @@ class PlaneSampler:
                 self._session, self._layout = None, layout
                 return
             session = PlaneSession(self._stub, self.table, response, metadata=self.metadata)
-            if layout is None:  # empty table: the first Select tells the layout's version, then re-open
-                self._plane, self._session, self._layout = None, session, None
-                if conn is not None:
-                    conn.close()
-                return
-            try:
+            try:  # an empty table has no layout yet: the first Select brings it
                 self._plane = self._build(response, session, layout, conn)
             except Exception as exc:  # noqa: BLE001 - the plane cannot come up here: next best
                 log.info("%s plane for table '%s' unusable (%s); falling back", response.kind, self.table, exc)
@@ -162,7 +164,7 @@ class PlaneSampler:
             self._session, self._layout = session, layout
             return
 
-    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout, conn):
+    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout | None, conn):
         if response.kind == negotiation.SHM:
             from gear_client.data_planes.shm import ShmPlane
 
@@ -173,7 +175,7 @@ class PlaneSampler:
             if conn is None or not response.HasField("rdma"):
                 raise RuntimeError("the daemon chose rdma without an endpoint")
             conn.connect(response.rdma)
-            return RdmaPlane(session, layout, response.region, conn)
+            return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn)
         raise RuntimeError(f"the daemon chose an unknown plane {response.kind!r}")
 
     def _drop_plane(self) -> None:
@@ -253,11 +255,14 @@ class PlaneSampler:
                 self._reopen()
                 return _REOPENED
             raise errors.from_rpc_error(exc, "sample") from exc
-        if self._plane is None or selection.layout_version != self._layout.version:
-            self._release_quietly(session, selection.lease_id)
-            self._reopen()
-            return _REOPENED
         try:
+            if selection.layout is not None:  # first items, or the table grew: same lease, new segment
+                self._plane.set_layout(selection.layout, selection.region)
+                self._layout = selection.layout
+            elif self._layout is None or selection.layout_version != self._layout.version:
+                self._release_quietly(session, selection.lease_id)
+                self._reopen()
+                return _REOPENED
             batch = self._plane.fetch(selection, window)
         except Exception as exc:  # noqa: BLE001 - the plane broke (RDMA error, unmapped segment): next best
             if self.closed:

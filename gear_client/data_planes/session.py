@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gear_client._proto import replay_pb2 as pb
+from gear_client.layout import TableLayout
 
 
 @dataclass
@@ -25,6 +26,8 @@ class ItemSelection:
     infos: tuple[np.ndarray, ...]  # keys, probabilities, table_sizes, priorities, times_sampled
     lease_id: int
     layout_version: int
+    layout: TableLayout | None = None  # sent when the table's layout changed since the session last saw it
+    region: pb.RdmaRegion | None = None  # rdma: that layout's memory region
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -36,7 +39,9 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
 
     refs = response.refs
     n = len(refs)
-    if num_columns is None:
+    if response.HasField("layout"):
+        num_columns = len(response.layout.columns)
+    elif num_columns is None:
         num_columns = len(refs[0].lengths) if n else 0
     slots = np.fromiter((r.slot for r in refs), np.int64, n)
     generations = np.fromiter((r.generation for r in refs), np.uint64, n)
@@ -44,8 +49,10 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
     if len(flat) != n * num_columns:
         raise ValueError(f"Select answered {len(flat)} lengths for {n} items of {num_columns} columns")
     lengths = np.asarray(flat, dtype=np.int64).reshape(n, num_columns)
+    layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
+    region = response.region if response.HasField("region") else None
     return ItemSelection(slots, generations, lengths, info_arrays(response.info), int(response.lease_id),
-                         int(response.layout_version))
+                         int(response.layout_version), layout, region)
 
 
 class PlaneSession:

@@ -149,23 +149,38 @@ class ShmPlane:
 
     kind = "shm"
 
-    def __init__(self, session, layout: TableLayout, *, device: Any = None):
+    def __init__(self, session, layout: TableLayout | None, *, device: Any = None):
         self.session = session
-        self.layout = layout
         self.device = device
-        self.mapping = SegmentMapping(layout)
-        self._registration = None
         self._gpu = is_gpu_device(device)
         if self._gpu:
             import gear_kernels
 
             if not gear_kernels.gpu_available():
-                self.mapping.close()
                 raise RuntimeError(f"device {device!r} asked for, but no CUDA GPU with CuPy is usable here")
-            cp = gear_kernels._backend.require_cupy()
-            with cp.cuda.Device(gpu_index(device)):
-                self._registration = gear_kernels.HostRegistration(self.mapping.buffer, read_only=True)
+        self.layout: TableLayout | None = None
+        self.mapping: SegmentMapping | None = None
+        self._registration = None
         self._pool = BufferPool()
+        if layout is not None:
+            self.set_layout(layout)
+
+    def set_layout(self, layout: TableLayout, region=None) -> None:
+        """Map (and, for a GPU, register) the segment of ``layout``, replacing the previous one."""
+        mapping = SegmentMapping(layout)
+        registration = None
+        if self._gpu:
+            import gear_kernels
+
+            cp = gear_kernels._backend.require_cupy()
+            try:
+                with cp.cuda.Device(gpu_index(self.device)):
+                    registration = gear_kernels.HostRegistration(mapping.buffer, read_only=True)
+            except BaseException:
+                mapping.close()
+                raise
+        self._unmap()
+        self.layout, self.mapping, self._registration = layout, mapping, registration
 
     def fetch(self, selection, window: WindowSpec) -> SampledBatch:
         layout = self.layout
@@ -197,9 +212,14 @@ class ShmPlane:
             columns.append(arr.reshape((arr.shape[0], *col.shape)) if col.squeeze else arr)
         return columns
 
-    def close(self) -> None:
+    def _unmap(self) -> None:
         if self._registration is not None:
             self._registration.close()
             self._registration = None
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
+    def close(self) -> None:
+        self._unmap()
         self._pool.clear()
-        self.mapping.close()

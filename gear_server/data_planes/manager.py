@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -26,15 +25,13 @@ import numpy as np
 from gear_client._proto import replay_pb2 as pb
 from gear_client.data_planes import negotiation
 from gear_server.data_planes.sessions import SessionNotFoundError, SessionRegistry
-from gear_server.errors import RateLimiterTimeout, TableClosedError, TableNotFoundError
+from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 MAX_SELECT = 1 << 20  # items per Select
-# A blocked Select wakes this often to notice a cancelled call or a closed session.
-POLL_S = 0.25
 
 
 class DataPlaneManager:
@@ -50,6 +47,7 @@ class DataPlaneManager:
 
             rdma = RdmaServer.probe()
         self.rdma = rdma
+        self.metrics: Any = None  # gear_server.metrics.ServerMetrics, set by the daemon
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
                                         on_close=self._on_session_closed)
         self._stop = threading.Event()
@@ -107,16 +105,25 @@ class DataPlaneManager:
             kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None)
         except negotiation.NoCommonPlaneError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if kind == negotiation.INLINE:
-            return pb.OpenDataPlaneResponse(kind=kind, **self._timeouts())
         layout = table.layout()
+        if kind == negotiation.INLINE:
+            response = pb.OpenDataPlaneResponse(kind=kind, **self._timeouts())
+            if layout is not None:  # shapes of the padded batches
+                response.layout.CopyFrom(layout.to_proto())
+            return response
         resources = endpoint = region = None
-        if kind == negotiation.RDMA and layout is not None:
+        if kind == negotiation.RDMA:
             try:
-                resources, endpoint, region = self.rdma.accept(layout, request.offer.rdma)
+                resources, endpoint = self.rdma.accept(request.offer.rdma)
+                if layout is not None:
+                    region = self.rdma.attach(resources, layout)
             except ValueError as exc:
+                if resources is not None:
+                    self.rdma.close_session(resources)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RDMA endpoint refused: {exc}")
             except Exception as exc:  # noqa: BLE001 - the device failed: serve the learner inline
+                if resources is not None:
+                    self.rdma.close_session(resources)
                 log.warning("RDMA connection for table '%s' failed, answering inline: %s", table.name, exc)
                 return pb.OpenDataPlaneResponse(kind=negotiation.INLINE, **self._timeouts())
         try:
@@ -127,53 +134,67 @@ class DataPlaneManager:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         response = pb.OpenDataPlaneResponse(session_id=session.session_id, kind=kind, **self._timeouts())
         if layout is not None:
+            session.layout_version = layout.version
             response.layout.CopyFrom(layout.to_proto())
         if endpoint is not None:
             response.rdma.CopyFrom(endpoint)
+        if region is not None:
             response.region.CopyFrom(region)
         return response
 
     def select(self, request: pb.SelectRequest, context: grpc.ServicerContext) -> pb.SelectResponse:
-        """Lease ``num_samples`` items (fewer only if the timeout passes after some were picked)."""
+        """Lease ``num_samples`` items (fewer only if the timeout passes after some were picked).
+
+        Blocks on the table's rate limiter like the Sample RPC; gives up (CANCELLED)
+        when the RPC ends or the session is closed meanwhile.
+        """
         session = self._session(request.session_id, context)
         n = int(request.num_samples)
         if n < 1 or n > MAX_SELECT:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_samples ({n}) must be in [1, {MAX_SELECT}]")
         table = session.table
-        deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
-        parts: list[Any] = []
-        taken = 0
+        timeout = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
+        ended = threading.Event()
+
+        def on_done() -> None:
+            ended.set()
+            table.wake_waiters()
+
+        if not context.add_callback(on_done):
+            ended.set()
+        started = time.perf_counter()
         try:
-            while taken < n:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    if taken:
-                        break
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rate limiter of table '{table.name}' timed out")
-                step = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - now))
-                if not context.is_active() or session.closed:
-                    context.abort(grpc.StatusCode.CANCELLED, "select cancelled")
-                try:
-                    part = table.sample(n - taken, timeout=step)
-                except RateLimiterTimeout:
-                    continue
-                parts.append(part)
-                taken += len(part.slots)
+            selection = table.sample(n, timeout=timeout, abandoned=lambda: ended.is_set() or session.closed)
+        except CallCancelled:
+            context.abort(grpc.StatusCode.CANCELLED, "select cancelled (call ended or session closed)")
+        except RateLimiterTimeout as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or f"rate limiter of '{table.name}' timed out")
         except TableClosedError as exc:
-            self._release_parts(table, parts)
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "table closed")
         except ValueError as exc:
-            self._release_parts(table, parts)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BaseException:
-            self._release_parts(table, parts)
-            raise
-        selection = merge_selections(parts)
-        lease_id = self.sessions.add_lease(session, [p.lease_id for p in parts], selection.slots,
-                                           selection.generations)
+        if self.metrics is not None:
+            self.metrics.plane_selected(table, session.kind, selection, time.perf_counter() - started)
+        lease_id = self.sessions.add_lease(session, [selection.lease_id], selection.slots, selection.generations)
         if lease_id is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
-        return build_select_response(selection, lease_id)
+        response = build_select_response(selection, lease_id)
+        if selection.layout_version != session.layout_version:
+            self._send_layout(session, table, response, context)
+        return response
+
+    def _send_layout(self, session, table: Any, response: pb.SelectResponse, context: grpc.ServicerContext) -> None:
+        """Attach the table's current layout (a growth copies every slot, so it addresses the refs too)."""
+        layout = table.layout()
+        response.layout_version = layout.version
+        response.layout.CopyFrom(layout.to_proto())
+        if session.resources is not None and self.rdma is not None:
+            try:
+                response.region.CopyFrom(self.rdma.attach(session.resources, layout))
+            except Exception as exc:  # noqa: BLE001
+                self.sessions.release(session, [response.lease_id])
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"registering the grown segment for RDMA failed: {exc}")
+        session.layout_version = layout.version
 
     @staticmethod
     def _release_parts(table: Any, parts: list[Any]) -> None:
@@ -191,31 +212,6 @@ class DataPlaneManager:
     def close(self, request: pb.CloseDataPlaneRequest, context: grpc.ServicerContext) -> pb.CloseDataPlaneResponse:
         self.sessions.close(request.session_id)  # closing twice is harmless
         return pb.CloseDataPlaneResponse()
-
-
-@dataclass
-class MergedSelection:
-    """Several table selections of one Select, as one."""
-
-    slots: np.ndarray
-    generations: np.ndarray
-    lengths: np.ndarray
-    keys: np.ndarray
-    probabilities: np.ndarray
-    table_sizes: np.ndarray
-    priorities: np.ndarray
-    times_sampled: np.ndarray
-    layout_version: int
-
-
-def merge_selections(parts: list[Any]) -> MergedSelection:
-    """Concatenate selections; the newest layout version addresses every slot (growth keeps slots)."""
-    def cat(name: str) -> np.ndarray:
-        return np.concatenate([np.asarray(getattr(p, name)) for p in parts])
-
-    return MergedSelection(cat("slots"), cat("generations"), cat("lengths"), cat("keys"), cat("probabilities"),
-                           cat("table_sizes"), cat("priorities"), cat("times_sampled"),
-                           max(int(p.layout_version) for p in parts))
 
 
 def build_select_response(selection: Any, lease_id: int) -> pb.SelectResponse:

@@ -35,10 +35,11 @@ class _Registered:
 
 @dataclass
 class RdmaSessionResources:
-    """What one learner session holds: its queue pairs and a reference on a registered segment."""
+    """What one learner session holds: its queue pairs and a reference on the registered segment it reads."""
 
     queue_pairs: verbs.QueuePairs
-    segment: str
+    segment: str | None = None
+    region: pb.RdmaRegion | None = None
 
 
 class RdmaServer:
@@ -96,9 +97,8 @@ class RdmaServer:
         self.device.deregister(reg.region)
         reg.mapping.close()
 
-    def accept(self, layout: TableLayout, learner: pb.RdmaEndpoint
-               ) -> tuple[RdmaSessionResources, pb.RdmaEndpoint, pb.RdmaRegion]:
-        """Connect queue pairs to a learner's endpoint; returns (resources, daemon endpoint, segment region).
+    def accept(self, learner: pb.RdmaEndpoint) -> tuple[RdmaSessionResources, pb.RdmaEndpoint]:
+        """Create and connect queue pairs to a learner's endpoint; returns (resources, the daemon's endpoint).
 
         ValueError for an endpoint that cannot be served; verbs.VerbsError when the device refuses.
         """
@@ -106,22 +106,31 @@ class RdmaServer:
         if len(learner.qp_nums) > self.max_qps_per_session:
             raise ValueError(f"at most {self.max_qps_per_session} queue pairs per session, got {len(learner.qp_nums)}")
         av = addressing.address_vector(self.port, learner)
-        reg = self._acquire_segment(layout)
-        qps = None
+        qps = verbs.QueuePairs(self.device, len(learner.qp_nums), max_send_wr=1)
         try:
-            qps = verbs.QueuePairs(self.device, len(learner.qp_nums), max_send_wr=1)
             qps.connect(learner, av, addressing.path_mtu(self.port, learner), addressing.rd_atomic(self.port, learner))
         except BaseException:
-            if qps is not None:
-                qps.close()
-            self._release_segment(layout.segment)
+            qps.close()
             raise
-        region = pb.RdmaRegion(addr=reg.region.addr, rkey=reg.region.rkey, length=reg.region.length)
-        return RdmaSessionResources(qps, layout.segment), qps.endpoint(), region
+        return RdmaSessionResources(qps), qps.endpoint()
+
+    def attach(self, resources: RdmaSessionResources, layout: TableLayout) -> pb.RdmaRegion:
+        """Let the session read ``layout``'s segment (registered once for all sessions); returns its region."""
+        if resources.segment == layout.segment and resources.region is not None:
+            return resources.region
+        reg = self._acquire_segment(layout)
+        previous = resources.segment
+        resources.segment = layout.segment
+        resources.region = pb.RdmaRegion(addr=reg.region.addr, rkey=reg.region.rkey, length=reg.region.length)
+        if previous is not None:
+            self._release_segment(previous)
+        return resources.region
 
     def close_session(self, resources: RdmaSessionResources) -> None:
         resources.queue_pairs.close()
-        self._release_segment(resources.segment)
+        if resources.segment is not None:
+            self._release_segment(resources.segment)
+            resources.segment = None
 
     def close(self) -> None:
         with self._lock:

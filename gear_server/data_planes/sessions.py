@@ -50,6 +50,7 @@ class Session:
     resources: Any = None  # plane resources to close with the session (RDMA queue pairs)
     closed: bool = False
     next_lease: int = 1
+    layout_version: int = -1  # the layout this session's learner holds (-1: none yet)
 
     def remember_expired(self, lease_id: int) -> None:
         self.expired[lease_id] = None
@@ -120,6 +121,12 @@ class SessionRegistry:
             session.closed = True
             leases = list(session.leases.values())
             session.leases.clear()
+        wake = getattr(session.table, "wake_waiters", None)
+        if wake is not None:  # a Select of this session blocked on the rate limiter gives up
+            try:
+                wake()
+            except Exception:  # noqa: BLE001
+                pass
         for lease in leases:
             _release_table_leases(session.table, lease.table_leases)
         if self._on_close is not None:
@@ -132,6 +139,14 @@ class SessionRegistry:
     def active_leases(self) -> int:
         with self._lock:
             return sum(len(s.leases) for s in self._sessions.values())
+
+    def counts_by_kind(self) -> dict[str, int]:
+        """Open sessions per plane kind (the daemon's metrics read it at scrape time)."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for session in self._sessions.values():
+                counts[session.kind] = counts.get(session.kind, 0) + 1
+            return counts
 
     # ------------------------------------------------------------------- leases
     def add_lease(self, session: Session, table_leases: list[int], slots: np.ndarray, generations: np.ndarray

@@ -23,7 +23,7 @@ from gear_server.selectors.uniform import Uniform
 
 def block_size_for(capacity: int) -> int:
     """Block size balancing the two search levels for typical batches (power of two, 16..1024)."""
-    target = math.sqrt(max(capacity, 1) / 64.0)
+    target = math.sqrt(max(capacity, 1) / 256.0)
     return int(min(1024, max(16, 1 << max(0, round(math.log2(max(target, 1.0)))))))
 
 

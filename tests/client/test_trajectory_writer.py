@@ -453,3 +453,126 @@ def test_dropped_writer_ends_its_stream(server, client):
     while server.servicer.streams_ended < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.servicer.streams_ended == 1
+
+
+def test_hand_encoded_requests_parse_as_protobuf():
+    from gear_client import trajectory_writer as tw
+
+    data = np.arange(12, dtype=np.int16).reshape(3, 4)
+    view = memoryview(data).cast("B")
+    structure = pb.Structure(kind=pb.Structure.DICT, keys=["a"], children=[pb.Structure()])
+    raw = b"".join([
+        tw._chunk_head(300, b"<i2", data.shape, view.nbytes, 2**64 - 1, 70000), view,
+        tw._encode_item(2**63 + 5, "tåble".encode(), 0.25, structure.SerializeToString(),
+                        [([(300, 0, 2), (7, 1, 1)], False), ([(300, 2, 1)], True)]),
+        tw._encode_releases([1, 300, 2**40]),
+    ])
+    expected = pb.InsertStreamRequest(
+        chunks=[pb.ChunkData(chunk_key=300, episode_id=2**64 - 1, episode_step=70000,
+                             data=pb.Tensor(dtype="<i2", shape=[3, 4], data=data.tobytes()))],
+        items=[pb.PrioritizedItem(key=2**63 + 5, table="tåble", priority=0.25, structure=structure, columns=[
+            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=300, offset=0, length=2),
+                                  pb.ColumnSlice(chunk_key=7, offset=1, length=1)]),
+            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=300, offset=2, length=1)], squeeze=True)])],
+        release_chunk_keys=[1, 300, 2**40])
+    assert pb.InsertStreamRequest.FromString(raw) == expected
+    assert tw._encode_releases([]) == b""
+
+
+def test_clients_without_a_channel_use_the_stub(server, client):
+    class StubOnly:
+        def __init__(self, inner):
+            self._stub = inner._stub
+            self._table_info = inner._table_info
+
+    w = TrajectoryWriter(StubOnly(client), 4)
+    for i in range(3):
+        w.append({"obs": obs(i)})
+    w.create_item("t", 1.0, {"obs": w.history["obs"][:]})
+    w.flush()
+    np.testing.assert_array_equal(server.servicer.items[0].data["obs"], np.stack([obs(i) for i in range(3)]))
+    w.close()
+
+
+def test_batched_items_survive_buffer_compaction(server, client, monkeypatch):
+    """Items batched while gRPC is busy reference rows a compaction moves: they are sent first."""
+    from gear_client import trajectory_writer as tw
+
+    def added_without_idle_send(self, key=None, nbytes=0):
+        if key is not None:
+            with self._cond:
+                self.pending[key] = nbytes
+                self.in_flight_bytes += nbytes
+        if self.batch_bytes >= tw.BATCH_BYTES:
+            self.submit()
+
+    monkeypatch.setattr(tw._InsertStream, "added", added_without_idle_send)
+    monkeypatch.setattr(tw.TrajectoryWriter, "_send_if_idle", lambda self: None)
+    w = TrajectoryWriter(client, 2)
+    expected = []
+    for i in range(10000):  # the 2-row window's buffers (4098 rows) take turns twice
+        w.append({"r": np.int64(i)})
+        if i % 100 == 1:
+            w.create_item("t", 1.0, w.history["r"][-2:])
+            expected.append([i - 1, i])
+    w.flush()
+    assert [list(item.data) for item in server.servicer.items] == expected
+    # Two messages: the batch sent before the second compaction overwrote the first buffer, and the rest.
+    assert len(server.servicer.requests) == 2
+    w.close()
+
+
+def test_server_going_away_surfaces_as_reverb_error(client):
+    from gear_client.errors import ReverbError
+
+    srv = LoopbackServer()
+    c = FakeClient(srv.address, {"t": pb.TableInfo(name="t")})
+    srv.servicer.ack_gate = threading.Semaphore(0)  # the item stays unacknowledged
+    w = TrajectoryWriter(c, 4)
+    w.append({"r": np.int64(1)})
+    w.create_item("t", 1.0, w.history["r"][:])
+    deadline = time.monotonic() + 10
+    while not srv.servicer.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.stop()
+    with pytest.raises(ReverbError) as info:
+        w.flush(timeout_ms=10_000)
+    assert isinstance(info.value, RuntimeError)  # what Reverb raises for an unavailable server
+    assert srv.servicer.items == []  # the cut-off stream left no item behind
+    w.close()
+    c.close()
+
+
+def test_negative_priority_is_refused_before_sending(server, client):
+    w = TrajectoryWriter(client, 2)
+    w.append({"r": np.int64(1)})
+    with pytest.raises(ValueError, match="negative"):
+        w.create_item("t", -1.0, w.history["r"][:])
+    w.flush()
+    assert server.servicer.requests == []
+    w.close()
+
+
+def test_episode_bookkeeping_stays_bounded(client):
+    w = TrajectoryWriter(client, 3)
+    for episode in range(50):
+        w.append({"r": np.int64(episode)})
+        w.end_episode(clear_buffers=False)
+    column = w.history["r"]._column
+    assert len(column.episode_marks) <= 4  # only episodes whose rows are still within the window
+    np.testing.assert_array_equal(w.history["r"][-3:].numpy(), [47, 48, 49])
+    w.close()
+
+
+@pytest.mark.parametrize("dtype", [np.complex128, np.float16, np.bool_, ">f4", "S5", "U3", "M8[ns]", np.uint64])
+def test_every_fixed_size_dtype_travels_raw(server, client, dtype):
+    values = np.arange(6).reshape(3, 2).astype(dtype)
+    w = TrajectoryWriter(client, 3)
+    for row in values:
+        w.append({"x": row})
+    w.create_item("t", 1.0, w.history["x"][:])
+    w.flush()
+    (chunk,) = server.servicer.chunk_messages()
+    assert chunk.data.dtype == values.dtype.str and list(chunk.data.shape) == [3, 2]
+    np.testing.assert_array_equal(server.servicer.items[0].data, values)
+    w.close()

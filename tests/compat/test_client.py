@@ -210,14 +210,16 @@ def test_several_threads_share_a_client(client):
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=insert, args=(20 * k,)) for k in range(4)]
-    threads += [threading.Thread(target=sample) for _ in range(2)]
-    for t in threads:
+    inserters = [threading.Thread(target=insert, args=(20 * k,), daemon=True) for k in range(4)]
+    samplers = [threading.Thread(target=sample, daemon=True) for _ in range(2)]
+    for t in samplers + inserters:
         t.start()
-    for t in threads:
+    for t in inserters:
         t.join(PROMPT_S * 3)
-    assert not any(t.is_alive() for t in threads)
-    assert errors == []
+    assert errors == [] and not any(t.is_alive() for t in inserters)
+    for t in samplers:
+        t.join(PROMPT_S * 3)
+    assert errors == [] and not any(t.is_alive() for t in samplers)
     info = info_of(client, "uniform")
     assert info.current_size == 80 and info.rate_limiter_info.sample_stats.completed == 40
 

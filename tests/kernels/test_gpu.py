@@ -24,6 +24,7 @@ from gear_kernels import (
     increment_times_sampled,
     output_plan,
     scatter,
+    selection,
     to_jax,
     to_torch,
     top_k,
@@ -66,8 +67,10 @@ def test_prioritized_matches_twin_exactly(cupy, n, exponent):
     np.testing.assert_array_equal(d_probs.get(), h_probs)
 
 
+@pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("n", [1, 4097, 1 << 20])
-def test_uniform_and_zero_fallback_match_twin_exactly(cupy, n):
+def test_uniform_and_zero_fallback_match_twin_exactly(cupy, monkeypatch, n, graphs):
+    monkeypatch.setattr(selection, "USE_GRAPHS", graphs)
     priority, valid, _, _ = _meta(n, 3 * n)
     valid[-1] = True
     for uniform, prio in ((True, priority), (False, np.zeros(n))):
@@ -132,10 +135,12 @@ def test_argbest_on_empty_table(cupy):
                    update_seq=cupy.arange(10, dtype=cupy.int64)) == -1
 
 
-def test_scatter_and_increments_match_twin(cupy):
-    n, k = 1 << 20, 4096
+@pytest.mark.parametrize("graphs", [True, False])
+def test_scatter_and_increments_match_twin(cupy, monkeypatch, graphs):
+    monkeypatch.setattr(selection, "USE_GRAPHS", graphs)
+    n = 1 << 20
     g = np.random.default_rng(12)
-    for _ in range(3):  # fresh epochs: older claims never win
+    for k in (4096, 4096, 70_000):  # fresh epochs (older claims never win); one launch, then two
         priority, valid, insert_seq, update_seq = _meta(n, int(g.integers(1 << 30)))
         ts = g.integers(0, 5, n).astype(np.int32)
         slots = g.integers(0, n, k)

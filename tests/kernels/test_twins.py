@@ -53,15 +53,26 @@ def test_counter_rng_take_advances():
     assert r.take(10) == 0 and r.take(3) == 10 and r.counter == 13
 
 
-def test_tiled_scan_is_a_per_tile_cumsum():
+def test_canonical_order_is_a_permutation_by_tiles():
+    n = 2 * twins.SCAN_TILE + 77
+    order = twins.canonical_order(n)
+    assert sorted(order.tolist()) == list(range(n))
+    assert order[:3].tolist() == [0, 256, 512]  # subtile 0 of tile 0: every 256th slot
+    assert (order[: twins.SCAN_TILE] < twins.SCAN_TILE).all()
+
+
+def test_tiled_scan_folds_in_canonical_order():
     w = np.random.default_rng(0).random(3 * twins.SCAN_TILE + 123)
-    cum, prefix = twins.tiled_scan(w)
-    for j in range(4):
-        lo, hi = j * twins.SCAN_TILE, min(w.shape[0], (j + 1) * twins.SCAN_TILE)
-        np.testing.assert_allclose(cum[lo:hi], np.cumsum(w[lo:hi]), rtol=1e-12)
-        assert np.all(np.diff(cum[lo:hi]) >= 0)
-        np.testing.assert_allclose(prefix[j + 1] - prefix[j], w[lo:hi].sum(), rtol=1e-12)
-    assert prefix[0] == 0.0
+    scan = twins.tiled_scan(w)
+    order = twins.canonical_order(w.shape[0])
+    for j in range(scan.nb):
+        in_tile = order[(order >= j * twins.SCAN_TILE) & (order < (j + 1) * twins.SCAN_TILE)]
+        np.testing.assert_allclose(scan.block_sum[j], w[in_tile].sum(), rtol=1e-12)
+        incl = np.append(scan.sub_prefix[j, 1:], scan.block_sum[j])
+        assert np.all(np.diff(incl) >= 0) and scan.sub_prefix[j, 0] == 0.0
+        sub_sums = [w[in_tile[in_tile % 256 == m]].sum() for m in range(256)]  # subtile m: slots = m mod 256
+        np.testing.assert_allclose(incl, np.cumsum(sub_sums), rtol=1e-12)
+    np.testing.assert_allclose(scan.block_prefix[-1], w.sum(), rtol=1e-12)
 
 
 def _table(n: int, seed: int, zero_fraction: float = 0.2, invalid_fraction: float = 0.2):
@@ -96,14 +107,15 @@ def test_all_zero_weights_fall_back_to_uniform_over_valid():
 
 
 def test_uniform_twin_picks_the_kth_valid_slot_exactly():
-    n, draws = 1000, 5000
+    n, draws = 9000, 5000
     _, valid = _table(n, 4)
     r = CounterRng(9)
     state = r.state
     slots, probs = weighted_sample(None, valid, draws, r, uniform=True)
     u = krng.random_unit(state, 0, draws)
     idx = np.floor(u * valid.sum()).astype(np.int64)
-    np.testing.assert_array_equal(slots, np.flatnonzero(valid)[idx])
+    order = twins.canonical_order(n)
+    np.testing.assert_array_equal(slots, order[valid[order]][idx])
     np.testing.assert_array_equal(probs, 1.0 / valid.sum())
 
 

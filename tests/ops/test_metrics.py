@@ -57,7 +57,7 @@ class FakeTable:
         self.size = size
 
     def info(self) -> pb.TableInfo:
-        info = pb.TableInfo(name="t", current_size=self.size, max_size=100)
+        info = pb.TableInfo(name="replay", current_size=self.size, max_size=100)
         info.rate_limiter_info.insert_stats.completed_wait_time_s = 1.5
         info.rate_limiter_info.sample_stats.pending_wait_time_s = 0.25
         info.rate_limiter_info.sample_stats.limited = 3
@@ -66,40 +66,43 @@ class FakeTable:
 
 def test_counters_histograms_and_callbacks_move_on_the_endpoint():
     table = FakeTable(5)
-    metrics = ServerMetrics(tables=lambda: {"t": table})
+    metrics = ServerMetrics(tables=lambda: {"replay": table})
     endpoint = MetricsServer(metrics.render, bind="127.0.0.1", port=0)
     try:
         before = scrape(endpoint.port)
-        assert value(before, "gear_table_size", table="t") == 5
-        assert value(before, "gear_inserts_total", table="t") == 0
-        metrics.inserted("t", 3, 300)
-        metrics.sampled("t", 2, 200, "inline")
-        metrics.sampled("t", 4, 0, "shm")
-        metrics.observe_selection("t", 0.0002)
-        metrics.observe_transfer("t", "inline", 0.003)
-        metrics.session_opened("shm")
-        metrics.session_opened("shm")
-        metrics.session_closed("shm")
+        assert value(before, "gear_table_size", table="replay") == 5
+        assert value(before, "gear_inserts_total", table="replay") == 0
+        metrics.inserted("replay", 3, 300)
+        metrics.sampled("replay", 2, 200, "inline")
+        metrics.sampled("replay", 4, 0, "shm")
+        metrics.observe_selection("replay", 0.0002)
+        metrics.observe_transfer("replay", "inline", 0.003)
+        sessions = {"shm": 2, "rdma": 1}
+        metrics.watch_sessions(lambda: sessions)
+        metrics.plane_opened("shm")
+        metrics.plane_opened("shm")
+        sessions["shm"] = 1
         table.size = 8
         after = scrape(endpoint.port)
     finally:
         endpoint.close()
-    assert value(after, "gear_inserts_total", table="t") == 3
-    assert value(after, "gear_bytes_received_total", table="t") == 300
-    assert value(after, "gear_samples_total", table="t") == 6
-    assert value(after, "gear_bytes_sent_total", table="t", plane="inline") == 200
-    assert value(after, "gear_table_size", table="t") == 8
-    assert value(after, "gear_rate_limiter_wait_seconds_total", table="t", op="insert") == 1.5
-    assert value(after, "gear_rate_limiter_wait_seconds_total", table="t", op="sample") == 0.25
-    assert value(after, "gear_rate_limiter_limited_total", table="t", op="sample") == 3
+    assert value(after, "gear_inserts_total", table="replay") == 3
+    assert value(after, "gear_bytes_received_total", table="replay") == 300
+    assert value(after, "gear_samples_total", table="replay") == 6
+    assert value(after, "gear_bytes_sent_total", table="replay", plane="inline") == 200
+    assert value(after, "gear_table_size", table="replay") == 8
+    assert value(after, "gear_rate_limiter_wait_seconds_total", table="replay", op="insert") == 1.5
+    assert value(after, "gear_rate_limiter_wait_seconds_total", table="replay", op="sample") == 0.25
+    assert value(after, "gear_rate_limiter_limited_total", table="replay", op="sample") == 3
     assert value(after, "gear_data_plane_sessions", kind="shm") == 1
+    assert value(after, "gear_data_plane_sessions", kind="rdma") == 1
     assert value(after, "gear_data_plane_sessions_opened_total", kind="shm") == 2
     # Histogram buckets are cumulative: 0.2 ms falls in le=0.00025 and every bucket above.
-    assert value(after, "gear_selection_latency_seconds_bucket", table="t", le="0.0001") == 0
-    assert value(after, "gear_selection_latency_seconds_bucket", table="t", le="0.00025") == 1
-    assert value(after, "gear_selection_latency_seconds_bucket", table="t", le="+Inf") == 1
-    assert value(after, "gear_selection_latency_seconds_count", table="t") == 1
-    assert value(after, "gear_transfer_latency_seconds_sum", table="t", plane="inline") == pytest.approx(0.003)
+    assert value(after, "gear_selection_latency_seconds_bucket", table="replay", le="0.0001") == 0
+    assert value(after, "gear_selection_latency_seconds_bucket", table="replay", le="0.00025") == 1
+    assert value(after, "gear_selection_latency_seconds_bucket", table="replay", le="+Inf") == 1
+    assert value(after, "gear_selection_latency_seconds_count", table="replay") == 1
+    assert value(after, "gear_transfer_latency_seconds_sum", table="replay", plane="inline") == pytest.approx(0.003)
 
 
 def test_label_values_are_escaped_and_unknown_paths_are_404():
@@ -124,7 +127,7 @@ def test_counters_are_exact_under_concurrent_updates():
 
     def work():
         for _ in range(5000):
-            metrics.inserted("t", 1, 10)
+            metrics.inserted("replay", 1, 10)
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
@@ -132,8 +135,8 @@ def test_counters_are_exact_under_concurrent_updates():
     for t in threads:
         t.join()
     samples = parse(metrics.render())
-    assert value(samples, "gear_inserts_total", table="t") == 20000
-    assert value(samples, "gear_bytes_received_total", table="t") == 200000
+    assert value(samples, "gear_inserts_total", table="replay") == 20000
+    assert value(samples, "gear_bytes_received_total", table="replay") == 200000
 
 
 def test_rpc_observer_counts_codes_including_refused_calls():

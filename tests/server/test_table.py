@@ -14,8 +14,8 @@ from gear_server.errors import RateLimiterTimeout, TableClosedError
 from gear_server.table import ItemToInsert, Table, TableSnapshot, count_leaves, leaf_paths
 from tests.server.conftest import (
     LEAF,
-    OBS_ACT,
     MIN_FLOAT,
+    OBS_ACT,
     check_item_data,
     config,
     item,

@@ -1,0 +1,353 @@
+"""Data-plane benchmark: batches from a learner's point of view, per plane, against their ceilings.
+
+Workload (the core issue's): trajectories of 64 steps of {obs: float32[1024],
+action: int64, reward: float32} (256.8 KiB each) in a Uniform table of 2048
+items, written by a TrajectoryWriter to a daemon in another process. A learner
+then takes batches of B items; each figure is end to end (Select over gRPC, the
+bytes moved into the learner's memory, Release), in GB/s of item payload:
+
+* inline   PlaneSampler(planes=["inline"]): bytes in gRPC messages, padded batch
+* shm      PlaneSampler(planes=["shm"]): segment mapped, NumPy gather into host memory
+* shm-gpu  the same with device="cuda": the gather kernel reads the mapped segment into GPU memory
+* dataset  TrajectoryDataset over the best plane, prefetching (what a training loop sees)
+* client.sample  Reverb's API (items stacked per column), which now picks the best plane itself
+* rdma     real verbs when a device exists; otherwise only the software overhead per batch
+           (range planning, chains, completions) over an emulated NIC that moves no bytes
+* reverb   DeepMind Reverb 0.14's client.sample, side by side in the same run, when
+           ``.venv-reverb`` exists (``make bench-reverb`` builds it)
+
+Ceilings printed beside: one-thread memcpy of random 256 KiB rows (the CPU shm
+plane's), the pinned host-to-device copy (the GPU plane's), the item payload a
+loopback gRPC stream carries (the inline plane's, via the Sample RPC).
+
+Usage: python bench/bench_planes.py [--batches 256 32] [--seconds 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_core  # noqa: E402 - the core benchmark's workload and server
+
+ITEM_BYTES = bench_core.ITEM_BYTES
+NUM_ITEMS = 2048
+REVERB_SAMPLE_GBPS = (0.45, 0.5)  # DeepMind Reverb 0.14, 2-core machine (bench_core)
+GOALS = {"shm_vs_reverb": 10.0, "shm_gpu_gbps": 35.0}
+
+
+def timed(fn, seconds: float, min_reps: int = 3) -> tuple[float, int]:
+    """Run fn() (returns items) for about ``seconds``; (elapsed, items)."""
+    fn()  # warm-up: connection, negotiation, first-touch of buffers
+    items = reps = 0
+    start = time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < seconds:
+        items += fn()
+        reps += 1
+    return time.perf_counter() - start, items
+
+
+def gbps(elapsed: float, items: int) -> float:
+    return items * ITEM_BYTES / elapsed / 1e9
+
+
+# ----------------------------------------------------------------- ceilings --
+
+def memcpy_ceiling(batch: int, reps: int = 5) -> float:
+    """One thread copying ``batch`` random 256 KiB rows of a 2048-row table: the CPU gather's ceiling."""
+    src = np.ones(NUM_ITEMS * ITEM_BYTES, dtype=np.uint8)
+    dst = np.empty(batch * ITEM_BYTES, dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    best = 0.0
+    for _ in range(reps):
+        slots = rng.integers(0, NUM_ITEMS, batch)
+        t0 = time.perf_counter()
+        for i, s in enumerate(slots.tolist()):
+            dst[i * ITEM_BYTES:(i + 1) * ITEM_BYTES] = src[s * ITEM_BYTES:(s + 1) * ITEM_BYTES]
+        best = max(best, dst.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def h2d_ceiling() -> float | None:
+    """Pinned host-to-device copy of 64 MiB (GB/s), or None without a GPU."""
+    import gear_kernels
+
+    if not gear_kernels.gpu_available():
+        return None
+    import cupy as cp
+
+    n = 64 << 20
+    host = cp.cuda.alloc_pinned_memory(n)
+    src = np.frombuffer(host, dtype=np.uint8, count=n)
+    src[:] = 1
+    dev = cp.empty(n, dtype=cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    best = 0.0
+    for _ in range(5):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        dev.data.copy_from_host_async(src.ctypes.data, n, stream)
+        end.record(stream)
+        end.synchronize()
+        best = max(best, n / (cp.cuda.get_elapsed_time(start, end) / 1e3) / 1e9)
+    return best
+
+
+# ------------------------------------------------------------------- planes --
+
+def bench_sampler(address: str, batch: int, seconds: float, **kwargs) -> dict[str, Any]:
+    from gear_client.data_planes import PlaneSampler
+
+    sync = None
+    if kwargs.get("device"):
+        import cupy as cp
+
+        sync = cp.cuda.get_current_stream().synchronize
+    with PlaneSampler(address, "uniform", **kwargs) as sampler:
+        def one() -> int:
+            b = sampler.sample(batch)
+            if sync is not None:
+                sync()
+            assert b.columns[1].shape == (batch, 64, 1024), b.columns[1].shape
+            return len(b)
+
+        elapsed, items = timed(one, seconds)
+        return {"gbps": gbps(elapsed, items), "plane": sampler.kind, "batches_per_s": items / batch / elapsed,
+                "stale_batches": sampler.stale_batches}
+
+
+def bench_dataset(address: str, batch: int, seconds: float, device=None) -> dict[str, Any]:
+    import gear_client as reverb
+
+    with reverb.TrajectoryDataset(address, "uniform", batch_size=batch, device=device, prefetch=2) as ds:
+        it = ds.batches()
+
+        def one() -> int:
+            return len(next(it))
+
+        elapsed, items = timed(one, seconds)
+        return {"gbps": gbps(elapsed, items), "plane": ds.plane}
+
+
+def bench_client_sample(client, batch: int, seconds: float) -> dict[str, Any]:
+    elapsed, items = timed(lambda: bench_core.sample_batches(client, "uniform", batch, batch)[1], seconds)
+    return {"gbps": gbps(elapsed, items), "plane": getattr(client._planes.get("uniform"), "kind", "inline")}
+
+
+def bench_rdma_overhead(address: str, batch: int, seconds: float) -> dict[str, Any]:
+    """Software cost per batch of the rdma plane (planning, chains, completions) with a NIC that moves nothing."""
+    from gear_client.data_planes import range_planning as rp
+    from gear_client.data_planes.rdma import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_SEND_WR, execute_plan
+    from gear_client.data_planes.sampler import PlaneSampler
+    from gear_client.data_planes.verbs import Completion
+
+    class NullNic:
+        def __init__(self):
+            self.done: list = []
+
+        def post_reads(self, queue, wr_id, ranges, local, remote):
+            self.done.append(Completion(wr_id, True, 0, queue))
+
+        def poll(self, max_entries=32):
+            out, self.done = self.done[:max_entries], self.done[max_entries:]
+            return out
+
+    with PlaneSampler(address, "uniform", planes=["shm"]) as sampler:
+        sampler.open()
+        sel = sampler._session.select(batch, None, None)
+        sampler._session.release([sel.lease_id])
+        layout = sampler._layout
+    nic = NullNic()
+
+    def one() -> int:
+        windows = rp.resolve_windows(layout, None)
+        lay = rp.BatchLayout.build(layout, batch, rp.window_steps(windows))
+        src, count, first = rp.window_bounds(sel.lengths, layout, windows)
+        ranges = rp.plan_ranges(layout, sel.slots, src, count, lay, first)
+        plan = rp.plan_reads(ranges, num_queues=4, max_message=1 << 30, chain_length=DEFAULT_CHAIN_LENGTH,
+                             balance_chunk=rp_balance())
+        execute_plan(nic, plan, None, None, max_in_flight=DEFAULT_MAX_SEND_WR // DEFAULT_CHAIN_LENGTH)
+        return batch
+
+    elapsed, items = timed(one, seconds)
+    return {"overhead_ms_per_batch": elapsed / (items / batch) * 1e3, "software_ceiling_gbps": gbps(elapsed, items)}
+
+
+def rp_balance() -> int:
+    from gear_client.data_planes.rdma import BALANCE_CHUNK
+
+    return BALANCE_CHUNK
+
+
+def bench_rdma_real(address: str, batch: int, seconds: float) -> dict[str, Any] | None:
+    from gear_client.data_planes import verbs
+
+    if verbs.probe() is None:
+        return None
+    return bench_sampler(address, batch, seconds, planes=["rdma"])
+
+
+# -------------------------------------------------------------- reverb side --
+
+def reverb_side_by_side(batches: list[int], seconds: float) -> dict[str, Any] | None:
+    """DeepMind Reverb's client.sample on the same workload, in its own environment."""
+    python = ROOT / ".venv-reverb" / "bin" / "python"
+    if not python.exists():
+        return None
+    out = subprocess.run([str(python), __file__, "--reverb-only", "--seconds", str(seconds), "--batches",
+                          *map(str, batches)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def start_server(backend: str) -> tuple[Any, Any, int]:
+    ctx = mp.get_context("spawn")
+    port_queue, stop_event = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=bench_core._serve, args=(backend, NUM_ITEMS, port_queue, stop_event), daemon=True)
+    server.start()
+    return server, stop_event, port_queue.get(timeout=300)
+
+
+def stop_server(server, stop_event) -> None:
+    stop_event.set()
+    server.join(60)
+    if server.is_alive():
+        server.kill()
+
+
+def run_reverb_only(batches: list[int], seconds: float) -> dict[str, Any]:
+    reverb = bench_core.import_backend("reverb")
+    server, stop_event, port = start_server("reverb")
+    try:
+        client = reverb.Client(f"localhost:{port}")
+        bench_core.write_items(client, "uniform", NUM_ITEMS, bench_core._trajectories(8))
+        out = {}
+        for batch in batches:
+            elapsed, items = timed(lambda b=batch: bench_core.sample_batches(client, "uniform", b, b)[1], seconds)
+            out[f"b{batch}"] = {"gbps": gbps(elapsed, items)}
+        return out
+    finally:
+        stop_server(server, stop_event)
+
+
+# --------------------------------------------------------------------- main --
+
+def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]:
+    import gear_kernels
+
+    import gear_client as reverb
+
+    results: dict[str, Any] = {"machine": machine(), "item_bytes": ITEM_BYTES, "num_items": NUM_ITEMS,
+                               "ceilings": {}, "planes": {}}
+    gpu = gear_kernels.gpu_available()
+    server, stop_event, port = start_server("gear")
+    address = f"localhost:{port}"
+    try:
+        client = reverb.Client(address)
+        t0 = time.perf_counter()
+        bench_core.write_items(client, "uniform", NUM_ITEMS, bench_core._trajectories(8))
+        print(f"wrote {NUM_ITEMS} items in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        for batch in batches:
+            key = f"b{batch}"
+            planes: dict[str, Any] = {}
+            planes["inline"] = bench_sampler(address, batch, seconds, planes=["inline"])
+            planes["shm"] = bench_sampler(address, batch, seconds, planes=["shm"])
+            if gpu:
+                planes["shm-gpu"] = bench_sampler(address, batch, seconds, planes=["shm"], device="cuda")
+            planes["dataset"] = bench_dataset(address, batch, seconds, device="cuda" if gpu else None)
+            planes["client.sample"] = bench_client_sample(client, batch, seconds)
+            real = bench_rdma_real(address, batch, seconds)
+            planes["rdma"] = real if real is not None else {"not_run": "no RDMA device on this machine"}
+            planes["rdma-software"] = bench_rdma_overhead(address, batch, seconds)
+            results["planes"][key] = planes
+            results["ceilings"][key] = {"memcpy_gbps": memcpy_ceiling(batch)}
+            print(f"B={batch} done", file=sys.stderr)
+        results["ceilings"]["h2d_pinned_gbps"] = h2d_ceiling() if gpu else None
+        client.close()
+    finally:
+        stop_server(server, stop_event)
+    if with_reverb:
+        results["reverb"] = reverb_side_by_side(batches, seconds)
+    return results
+
+
+def machine() -> str:
+    gpu = ""
+    try:
+        import gear_kernels
+
+        if gear_kernels.gpu_available():
+            import cupy as cp
+
+            gpu = ", GPU " + cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:  # noqa: BLE001
+        pass
+    return f"{platform.machine()}, {os.cpu_count()} CPUs{gpu}, Python {platform.python_version()}"
+
+
+def print_results(r: dict[str, Any]) -> None:
+    print(f"data-plane benchmark: {r['num_items']} items of {r['item_bytes'] / 1024:.1f} KiB ({r['machine']})")
+    for key, planes in r["planes"].items():
+        ceil = r["ceilings"][key]
+        print(f"  B={key[1:]}:")
+        for name, fig in planes.items():
+            if "gbps" in fig:
+                note = ""
+                if name == "shm":
+                    note = f"  (ceiling: one-thread memcpy {ceil['memcpy_gbps']:.2f} GB/s)"
+                if name == "shm-gpu":
+                    h2d = r["ceilings"].get("h2d_pinned_gbps")
+                    note = f"  (ceiling: pinned H2D {h2d:.1f} GB/s; goal >= {GOALS['shm_gpu_gbps']:.0f})" if h2d else ""
+                print(f"    {name:<14} {fig['gbps']:7.2f} GB/s  [{fig.get('plane')}]{note}")
+            elif "overhead_ms_per_batch" in fig:
+                print(f"    {name:<14} {fig['overhead_ms_per_batch']:7.2f} ms/batch of planning+posting+polling "
+                      f"(software ceiling {fig['software_ceiling_gbps']:.1f} GB/s; no bytes moved)")
+            else:
+                print(f"    {name:<14} not run: {fig.get('not_run')}")
+        rv = (r.get("reverb") or {}).get(key)
+        if rv:
+            shm = planes["shm"]["gbps"]
+            print(f"    {'reverb 0.14':<14} {rv['gbps']:7.2f} GB/s  [client.sample, same run]  "
+                  f"shm/reverb = {shm / rv['gbps']:.1f}x (goal >= {GOALS['shm_vs_reverb']:.0f}x)")
+        elif key == "b256":
+            lo, hi = REVERB_SAMPLE_GBPS
+            print(f"    reverb 0.14    (not run here; reference {lo}-{hi} GB/s: shm/reverb = "
+                  f"{planes['shm']['gbps'] / hi:.1f}-{planes['shm']['gbps'] / lo:.1f}x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 32])
+    parser.add_argument("--seconds", type=float, default=3.0, help="per figure")
+    parser.add_argument("--no-reverb", action="store_true", help="skip DeepMind Reverb side by side")
+    parser.add_argument("--reverb-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.reverb_only:
+        print(json.dumps(run_reverb_only(args.batches, args.seconds)))
+        return 0
+    results = run(args.batches, args.seconds, not args.no_reverb)
+    print_results(results)
+    path = args.json or (os.path.join(os.environ["OUT"], "bench_planes.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

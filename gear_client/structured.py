@@ -1,0 +1,439 @@
+"""Reverb's ``reverb.structured``: items built from static patterns, on TrajectoryWriter.
+
+A *pattern* says, for every leaf of the item, which recent steps of which
+appended field it takes (``ref['obs'][-3:]``, ``ref['action'][-1]``); a
+*config* pairs a pattern with a table and *conditions* on when to apply it
+(every step, every other step, at the end of the episode, when a flag in the
+data is set...). ``StructuredWriter.append`` applies every config whose
+conditions hold and whose pattern has enough history, inserting one item per
+config and step.
+
+Reverb keeps configs as protos (patterns_pb2); here they are plain Python
+objects with the same field names, built by the same functions
+(``create_config``, ``pattern_from_transform``, ``Condition``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gear_client import nest
+from gear_client.errors import DeadlineExceededError
+from gear_client.specs import TensorSpec, to_tensor_spec
+from gear_client.trajectory_writer import TrajectoryWriter
+
+__all__ = [
+    "Config",
+    "Condition",
+    "PatternNode",
+    "StructuredWriter",
+    "create_config",
+    "create_reference_step",
+    "infer_signature",
+    "pattern_from_transform",
+    "unpack_pattern",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternNode:
+    """Steps of one appended field: ``[start:stop:step]`` when ``start`` is set, else the single step ``stop``.
+
+    Indices count back from the most recent step (negative), as in Reverb.
+    """
+
+    flat_source_index: int
+    start: int | None = None
+    stop: int | None = None
+    step: int | None = None
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - Reverb code calls the proto method
+        return getattr(self, name) is not None
+
+    @property
+    def is_slice(self) -> bool:
+        return self.start is not None
+
+    def history_needed(self) -> int:
+        """How many most recent steps must exist for this node to apply."""
+        if self.start is not None:
+            return -self.start
+        return -self.stop if self.stop is not None else 1
+
+    def validate(self) -> None:
+        if self.flat_source_index < 0:
+            raise ValueError(f"flat_source_index must be >= 0, got {self.flat_source_index}")
+        if self.start is None:
+            if self.stop is None or self.stop >= 0:
+                raise ValueError(f"a single-step node needs a negative index, got {self.stop}")
+            if self.step is not None:
+                raise ValueError("a single-step node has no step")
+            return
+        if self.start >= 0:
+            raise ValueError(f"start must be negative (counted back from the newest step), got {self.start}")
+        if self.stop is not None and not self.start < self.stop <= 0:
+            raise ValueError(f"stop must be None or in ({self.start}, 0], got {self.stop}")
+        if self.step is not None and self.step < 1:
+            raise ValueError(f"step must be None or positive, got {self.step}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuloEq:
+    mod: int = 0
+    eq: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ConditionProto:
+    """A condition on the newest step: ``left`` compared by ``eq``, ``ge`` or ``mod_eq`` (``inverse`` negates)."""
+
+    step_index: bool = False
+    steps_since_applied: bool = False
+    is_end_episode: bool = False
+    flat_source_index: int | None = None
+    eq: int | None = None
+    ge: int | None = None
+    mod_eq: ModuloEq | None = None
+    inverse: bool = False
+
+    def left_value(self, state: _ApplyState, flat_step: Sequence[Any]) -> int:
+        if self.step_index:
+            return state.step_index
+        if self.steps_since_applied:
+            return state.steps_since_applied
+        if self.is_end_episode:
+            return int(state.end_of_episode)
+        if self.flat_source_index is not None:
+            value = flat_step[self.flat_source_index]
+            if value is None:
+                raise ValueError(f"condition on field {self.flat_source_index}, which has no value in this step")
+            array = np.asarray(value)
+            if array.shape != () or not (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_):
+                raise ValueError(f"condition on field {self.flat_source_index} needs an integer or bool scalar, "
+                                 f"got {array.dtype}{array.shape}")
+            return int(array)
+        raise ValueError("condition has no left-hand side")
+
+    def holds(self, state: _ApplyState, flat_step: Sequence[Any]) -> bool:
+        left = self.left_value(state, flat_step)
+        if self.mod_eq is not None:
+            result = left % self.mod_eq.mod == self.mod_eq.eq
+        elif self.ge is not None:
+            result = left >= self.ge
+        elif self.eq is not None:
+            result = left == self.eq
+        else:
+            raise ValueError("condition has no comparison (use ==, !=, >, >=, <, <= or % n ==)")
+        return result != self.inverse
+
+    def validate(self, num_fields: int) -> None:
+        lefts = sum([self.step_index, self.steps_since_applied, self.is_end_episode,
+                     self.flat_source_index is not None])
+        if lefts != 1:
+            raise ValueError(f"a condition needs exactly one left-hand side, got {lefts}")
+        if self.flat_source_index is not None and not 0 <= self.flat_source_index < num_fields:
+            raise ValueError(f"condition on field {self.flat_source_index} of a step with {num_fields} fields")
+        if self.mod_eq is not None and self.mod_eq.mod < 1:
+            raise ValueError(f"modulo must be positive, got {self.mod_eq.mod}")
+        if sum(x is not None for x in (self.eq, self.ge, self.mod_eq)) != 1:
+            raise ValueError("a condition needs exactly one comparison")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Insert ``flat`` (unflattened by ``pattern_structure``) into ``table`` when every condition holds."""
+
+    flat: tuple[PatternNode, ...]
+    pattern_structure: Any  # the pattern's structure (a gear.v1.Structure; None: a flat list of nodes)
+    table: str
+    priority: float = 1.0
+    conditions: tuple[ConditionProto, ...] = ()
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - Reverb code calls the proto method
+        return getattr(self, name) is not None
+
+
+Pattern = Any
+ReferenceStep = Any
+
+
+class _RefNode:
+    """A leaf of a reference step: indexing it makes a PatternNode."""
+
+    def __init__(self, index: int):
+        self._index = index
+
+    def __getitem__(self, key: int | slice) -> PatternNode:
+        if isinstance(key, (int, np.integer)):
+            return PatternNode(self._index, None, int(key), None)
+        if isinstance(key, slice):
+            return PatternNode(self._index, key.start, key.stop, key.step)
+        raise ValueError(f"Key must be int or slice by got {key} (type {type(key)}).")
+
+
+def create_reference_step(step_structure: Any) -> ReferenceStep:
+    """The step structure with each leaf (None counts) replaced by an indexable reference."""
+    paths = nest.flatten_with_paths(step_structure, none_is_leaf=True)
+    refs = [_RefNode(i) for i in range(len(paths))]
+    return _pack_none_leaves(step_structure, iter(refs))
+
+
+def _pack_none_leaves(structure: Any, leaves: Any) -> Any:
+    if structure is None or not nest.is_nested(structure):
+        return next(leaves)
+    if isinstance(structure, dict):
+        return {k: _pack_none_leaves(structure[k], leaves) for k in sorted(structure)}
+    if nest.is_namedtuple(structure):
+        return type(structure)(*[_pack_none_leaves(v, leaves) for v in structure])
+    return type(structure)(_pack_none_leaves(v, leaves) for v in structure)
+
+
+def pattern_from_transform(step_structure: Any, transform: Callable[[ReferenceStep], Pattern]) -> Pattern:
+    """The pattern ``transform`` builds from a reference step of ``step_structure``."""
+    return transform(create_reference_step(step_structure))
+
+
+def create_config(pattern: Pattern, table: str, conditions: Sequence[ConditionProto] = ()) -> Config:
+    """A config inserting ``pattern`` into ``table`` whenever all ``conditions`` hold."""
+    flat = nest.flatten(pattern)
+    if not flat:
+        raise ValueError("a pattern needs at least one node")
+    for node in flat:
+        if not isinstance(node, PatternNode):
+            raise TypeError(f"pattern leaves must be PatternNodes (from a reference step), got {type(node)}")
+        node.validate()
+    for condition in conditions:
+        if not isinstance(condition, ConditionProto):
+            raise TypeError(f"conditions must be built with Condition, got {type(condition)}")
+    structure = nest.structure_of(pattern)
+    return Config(flat=tuple(flat), pattern_structure=structure, table=table, priority=1.0,
+                  conditions=tuple(conditions))
+
+
+def unpack_pattern(config: Config) -> Pattern:
+    """The pattern of a config, with its structure."""
+    if config.pattern_structure is None:
+        return list(config.flat)
+    return nest.unflatten(config.pattern_structure, list(config.flat))
+
+
+def infer_signature(configs: Sequence[Config], step_spec: Any) -> Any:
+    """The table signature of the items ``configs`` produce from steps like ``step_spec``."""
+    if not configs:
+        raise ValueError("At least one config must be provided.")
+    if any(c.pattern_structure != configs[0].pattern_structure for c in configs):
+        raise ValueError("All configs must have exactly the same pattern_structure.")
+    if any(c.table != configs[0].table for c in configs):
+        raise ValueError(f"All configs must target the same table but provided configs included "
+                         f"{', '.join(sorted({c.table for c in configs}))}.")
+    flat_step_spec = [to_tensor_spec(s) for s in nest.flatten(step_spec)]
+    flat_patterns = [c.flat for c in configs]
+    paths = [p for p, _ in nest.flatten_with_paths(unpack_pattern(configs[0]))]
+    specs = []
+    for i, nodes in enumerate(zip(*flat_patterns, strict=True)):
+        path = paths[i] if i < len(paths) else (i,)
+        dtypes = [flat_step_spec[n.flat_source_index].dtype for n in nodes]
+        if any(d != dtypes[0] for d in dtypes):
+            raise ValueError(f"Configs produce trajectories with multiple dtypes at {path}. Got {dtypes}.")
+        shapes = []
+        for n in nodes:
+            shape = tuple(flat_step_spec[n.flat_source_index].shape)
+            if n.is_slice:
+                stop = 0 if n.stop is None else n.stop
+                shape = (len(range(n.start, stop, n.step or 1)), *shape)
+            shapes.append(shape)
+        if any(len(s) != len(shapes[0]) for s in shapes) or (
+                len(shapes[0]) > 1 and any(s[1:] != shapes[0][1:] for s in shapes)):
+            raise ValueError(f"Configs produce trajectories with incompatible shapes at {path}. Got {shapes}.")
+        merged = shapes[0] if all(s == shapes[0] for s in shapes) else (None, *shapes[0][1:])
+        specs.append(TensorSpec(merged, dtypes[0], "/".join(str(x) for x in path)))
+    if configs[0].pattern_structure is None:
+        return specs
+    return nest.unflatten(configs[0].pattern_structure, specs)
+
+
+class _ConditionBuilder:
+    """Builds a condition with comparison operators (``step_index() % 2 == 0``)."""
+
+    def __init__(self, incomplete: ConditionProto):
+        self._incomplete = incomplete
+
+    def __mod__(self, cmp: int) -> _ConditionBuilder:
+        return _ConditionBuilder(dataclasses.replace(self._incomplete, mod_eq=ModuloEq(mod=int(cmp))))
+
+    def __eq__(self, cmp: int) -> ConditionProto:  # type: ignore[override]
+        c = self._incomplete
+        if c.mod_eq is not None:
+            return dataclasses.replace(c, mod_eq=ModuloEq(mod=c.mod_eq.mod, eq=int(cmp)))
+        return dataclasses.replace(c, eq=int(cmp))
+
+    def __ne__(self, cmp: int) -> ConditionProto:  # type: ignore[override]
+        return dataclasses.replace(self == cmp, inverse=True)
+
+    def __ge__(self, cmp: int) -> ConditionProto:
+        return dataclasses.replace(self._incomplete, ge=int(cmp))
+
+    def __gt__(self, cmp: int) -> ConditionProto:
+        return self >= cmp + 1
+
+    def __lt__(self, cmp: int) -> ConditionProto:
+        return dataclasses.replace(self >= cmp, inverse=True)
+
+    def __le__(self, cmp: int) -> ConditionProto:
+        return dataclasses.replace(self > cmp, inverse=True)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Condition:
+    """Building blocks of conditions."""
+
+    @staticmethod
+    def step_index() -> _ConditionBuilder:
+        """(Zero) index of the most recent appended step within the episode."""
+        return _ConditionBuilder(ConditionProto(step_index=True))
+
+    @staticmethod
+    def steps_since_applied() -> _ConditionBuilder:
+        """Number of steps appended since this config last created an item."""
+        return _ConditionBuilder(ConditionProto(steps_since_applied=True))
+
+    @staticmethod
+    def is_end_episode() -> ConditionProto:
+        """True only while ``end_episode`` is called on the writer."""
+        return ConditionProto(is_end_episode=True, eq=1)
+
+    @staticmethod
+    def data(step_structure: Any) -> Any:
+        """Conditions on the value of a scalar integer or bool field of the newest step."""
+        n = len(nest.flatten_with_paths(step_structure, none_is_leaf=True))
+        return _pack_none_leaves(step_structure,
+                                 iter([_ConditionBuilder(ConditionProto(flat_source_index=i)) for i in range(n)]))
+
+
+@dataclasses.dataclass
+class _ApplyState:
+    step_index: int = -1
+    steps_since_applied: int = 0
+    end_of_episode: bool = False
+
+
+class StructuredWriter:
+    """Appends steps and inserts the items its configs describe (``client.structured_writer(configs)``)."""
+
+    def __init__(self, client: Any, configs: Sequence[Config]):
+        if not configs:
+            raise ValueError("At least one config must be provided.")
+        for config in configs:
+            if not isinstance(config, Config):
+                raise TypeError(f"configs must be made with create_config, got {type(config)}")
+            for node in config.flat:
+                node.validate()
+        self._configs = [copy.copy(c) for c in configs]
+        keep = max(node.history_needed() for c in configs for node in c.flat)
+        self._writer = TrajectoryWriter(client, max(1, keep))
+        self._flat_data_length: int | None = None
+        self._states = [_ApplyState() for _ in configs]
+        self._step_index = -1
+        self._last_flat: list[Any] = []
+        self._step_open = False
+
+    def __enter__(self) -> StructuredWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        try:
+            if exc_type is None:
+                self.flush()
+        finally:
+            self._writer.close()
+
+    @property
+    def step_is_open(self) -> bool:
+        """True if ``partial_step`` was set in the most recent ``append``."""
+        return self._step_open
+
+    def append(self, data: Any, *, partial_step: bool = False) -> None:
+        """Append a step (same flattened length every time; None leaves allowed), then apply the configs."""
+        flat = [leaf for _, leaf in nest.flatten_with_paths(data, none_is_leaf=True)]
+        if self._flat_data_length is None:
+            self._flat_data_length = len(flat)
+            for config in self._configs:
+                for node in config.flat:
+                    if node.flat_source_index >= len(flat):
+                        raise ValueError(f"config for table '{config.table}' references field "
+                                         f"{node.flat_source_index} of a step with {len(flat)} fields")
+                for condition in config.conditions:
+                    condition.validate(len(flat))
+        if len(flat) != self._flat_data_length:
+            raise ValueError(f"Flattened data has an unexpected length, got {len(flat)} but wanted "
+                             f"{self._flat_data_length}")
+        if not self._step_open:
+            self._step_index += 1
+            self._last_flat = flat
+        else:
+            self._last_flat = [new if new is not None else old for new, old in zip(flat, self._last_flat,
+                                                                                    strict=True)]
+        self._writer.append(tuple(flat), partial_step=partial_step)
+        self._step_open = partial_step
+        if not partial_step:
+            for state in self._states:
+                state.step_index = self._step_index
+                state.steps_since_applied += 1
+            self._apply(end_of_episode=False)
+
+    def _apply(self, end_of_episode: bool) -> None:
+        if self._step_index < 0:
+            return
+        history = self._writer.history
+        for config, state in zip(self._configs, self._states, strict=True):
+            state.end_of_episode = end_of_episode
+            if end_of_episode and not any(c.is_end_episode for c in config.conditions):
+                continue  # at the end of an episode only configs conditioned on it apply
+            if not all(c.holds(state, self._last_flat) for c in config.conditions):
+                continue
+            columns = []
+            for node in config.flat:
+                column_history = history[node.flat_source_index]
+                if node.history_needed() > len(column_history):
+                    break
+                try:
+                    if node.is_slice:
+                        columns.append(column_history[node.start:node.stop:node.step])
+                    else:
+                        columns.append(column_history[node.stop])
+                except ValueError:  # a referenced step has no value for this field
+                    break
+            else:
+                trajectory = (nest.unflatten(config.pattern_structure, columns)
+                              if config.pattern_structure is not None else columns)
+                self._writer.create_item(config.table, config.priority, trajectory)
+                state.steps_since_applied = 0
+
+    def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
+        """Block until all but ``block_until_num_items`` items are confirmed by the server."""
+        self._writer.flush(block_until_num_items, timeout_ms)
+
+    def end_episode(self, clear_buffers: bool = True, timeout_ms: int | None = None) -> None:
+        """Apply the end-of-episode configs, flush, and start a new episode."""
+        if self._step_open:
+            raise ValueError("end_episode called while a partial step is open")
+        self._apply(end_of_episode=True)
+        try:
+            self._writer.end_episode(clear_buffers, timeout_ms)
+        except DeadlineExceededError:
+            raise
+        finally:
+            self._step_index = -1
+            for state in self._states:
+                state.step_index = -1
+                state.steps_since_applied = 0
+                state.end_of_episode = False
+
+    def close(self) -> None:
+        self._writer.close()
