@@ -58,8 +58,25 @@ demo: install
 bench: install
 	$(VPY) bench/bench_core.py
 
+# DeepMind Reverb 0.14.0 (needs Python 3.11 and TensorFlow) in its own venv, then
+# the core benchmark against both, side by side.
+REVERB_VENV := .venv-reverb
+$(REVERB_VENV)/.installed:
+	python3.11 -m venv $(REVERB_VENV)
+	$(REVERB_VENV)/bin/python -m pip install -q --upgrade pip
+	$(REVERB_VENV)/bin/python -m pip install -q "dm-reverb[tensorflow]==0.14.0"
+	touch $@
+
+bench-reverb: install $(REVERB_VENV)/.installed
+	$(VPY) bench/reverb/compare.py --reverb-python $(REVERB_VENV)/bin/python
+
 serve: install
 	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml
+
+# The systemd service on this machine (run as root): user, virtualenv, /etc/gear, unit.
+# Options go through INSTALL_SERVICE_ARGS, e.g. "--start --generate-token" (docs/OPERATIONS.md).
+install-service:
+	deploy/install-service.sh $(INSTALL_SERVICE_ARGS)
 
 clean:
 	rm -rf .build $(VENV) .pytest_cache

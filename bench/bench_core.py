@@ -106,7 +106,7 @@ def mutate_latencies(client, table: str, batch: int, rounds: int) -> list[float]
     out = []
     for _ in range(rounds):
         keys = [s.info.key for s in client.sample(table, batch, emit_timesteps=False)]
-        updates = {k: float(p) for k, p in zip(keys, rng.uniform(0.1, 10.0, len(keys)))}
+        updates = {k: float(p) for k, p in zip(keys, rng.uniform(0.1, 10.0, len(keys)), strict=True)}
         start = time.perf_counter()
         client.mutate_priorities(table, updates=updates)
         out.append(time.perf_counter() - start)

@@ -1,21 +1,23 @@
 """TrajectoryWriter: Reverb's column-wise writer, streamed over ``InsertStream``.
 
 Data is appended column by column (one column per leaf path of the appended
-nests). Each column keeps its recent rows in one contiguous numpy buffer, so
-any run of rows an item needs is a single slice. An item references steps;
-the steps no earlier item sent are packed, per column, into one ``ChunkData``
-(a raw buffer whose leading dimension is the steps), and the item names
+nests). Each column keeps its recent rows in a contiguous numpy buffer (two
+that take turns when the live rows are moved to the front), so any run of
+rows an item needs is a single slice. An item references steps; the steps no
+earlier item sent are packed, per column, into one ``ChunkData`` (a raw
+buffer whose leading dimension is the steps), and the item names
 ``ColumnSlice``s of chunks. Every step crosses the wire at most once; a chunk
 is released (``release_chunk_keys``) once none of its rows can be referenced
 again (they left the keep-alive window, or the buffers were cleared).
 
-The writer owns one ``InsertStream`` call: requests go through a queue that
-gRPC's own thread drains, and a reader thread counts the acknowledged keys.
-At most ``max_in_flight_items`` items are unacknowledged: ``create_item``
-and ``flush`` block beyond that (back-pressure from the table's rate
-limiter). A failed stream surfaces on the next ``create_item``/``flush``/
-``end_episode`` as Reverb's exception type; the writer then opens a fresh
-stream and resends whatever data later items need.
+The writer owns one ``InsertStream`` call: requests are encoded by hand
+around the rows' buffers, batched while gRPC's own thread is busy sending
+the previous message, and queued to that thread; a reader thread counts the
+acknowledged keys. At most ``max_in_flight_items`` items are unacknowledged:
+``create_item`` and ``flush`` block beyond that (back-pressure from the
+table's rate limiter). A failed stream surfaces on the next ``create_item``/
+``flush``/``end_episode`` as Reverb's exception type; the writer then opens a
+fresh stream and resends whatever data later items need.
 """
 
 from __future__ import annotations
@@ -301,9 +303,6 @@ class TrajectoryColumn:
         self.is_squeezed = squeeze
         self._path = path
         return self
-
-    def _pairs(self) -> list[tuple[_Column, int]]:
-        return [(c, r) for c, rows in self._segments for r in rows]
 
     def __len__(self) -> int:
         return self._len

@@ -75,7 +75,8 @@ class Operations:
         self.metrics = ServerMetrics(tables=lambda: self._tables)
         self.errors = ErrorSummary(self.logging.client_error_summary_s)
         cs = self.checkpoint_settings
-        self.checkpointer = Checkpointer(cs.dir, keep=cs.keep) if cs.dir else None
+        # A relative dir resolves against the working directory (/var/lib/gear under the unit).
+        self.checkpointer = Checkpointer(Path(cs.dir).expanduser().absolute(), keep=cs.keep) if cs.dir else None
         self.health: health.HealthServicer | None = None
         self.metrics_server: MetricsServer | None = None
         self.restored_from: Path | None = None
@@ -93,13 +94,19 @@ class Operations:
         """
         self._tables = tables
         cs = self.checkpoint_settings
-        if self.checkpointer is None or not cs.restore:
+        if self.checkpointer is None:
+            return tables
+        try:  # a directory that cannot be written is a configuration error: stop now, not at the first checkpoint
+            self.checkpointer.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"checkpoint dir {self.checkpointer.root}: {exc.strerror}") from exc
+        if not cs.restore:
             return tables
         removed = self.checkpointer.cleanup_interrupted()
         if removed:
             log.warning("removed %d checkpoint(s) a crash interrupted: %s", len(removed),
                         ", ".join(p.name for p in removed))
-        sd_notify.status(f"restoring checkpoints from {cs.dir}")
+        sd_notify.status(f"restoring checkpoints from {self.checkpointer.root}")
         started = time.monotonic()
 
         def apply(path: Path, states: list[TableState]) -> dict[str, Any]:
@@ -122,7 +129,7 @@ class Operations:
 
         found = self.checkpointer.load_latest(cs.fallback_path, apply=apply)
         if found is None:
-            log.info("no checkpoint to restore in %s: starting with empty tables", cs.dir)
+            log.info("no checkpoint to restore in %s: starting with empty tables", self.checkpointer.root)
             return tables
         path, restored = found
         for name, table in tables.items():

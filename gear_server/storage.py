@@ -10,6 +10,7 @@ same instance when it starts.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -40,6 +41,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate the segment's pages now, so a full tmpfs fails here (ENOSPC) rather than
+    with SIGBUS at the first write into a page that cannot be backed."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # the filesystem cannot reserve; stay lazy
+        raise OSError(e.errno, f"cannot reserve {size} bytes for segment {path}: {e.strerror}") from e
+
+
 class Segment:
     """One mapped segment file. ``buffer`` is the writable mapping."""
 
@@ -49,6 +61,7 @@ class Segment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
+            _reserve(fd, size, path)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

@@ -690,8 +690,10 @@ class Table:
             m.times_sampled[slots] += 1
             m.leases[slots] += 1
         else:
-            np.add.at(m.times_sampled, slots, 1)
-            np.add.at(m.leases, slots, 1)
+            distinct, counts = np.unique(slots, return_counts=True)  # faster than np.add.at
+            counts = counts.astype(np.int32)
+            m.times_sampled[distinct] += counts
+            m.leases[distinct] += counts
         chunk = (slots, m.key[slots], probs, np.full(len(slots), size, np.int64), m.priority[slots], times)
         if mts and times[-1] >= mts:
             self._delete_slot(int(slots[-1]))
@@ -746,12 +748,11 @@ class Table:
 
     def _release_slots(self, slots: np.ndarray) -> None:
         m = self.meta
-        if len(slots) > 1 and len(np.unique(slots)) != len(slots):
-            np.subtract.at(m.leases, slots, 1)
-        else:
-            m.leases[slots] -= 1
+        distinct, counts = np.unique(slots, return_counts=True)
+        m.leases[distinct] -= counts.astype(np.int32)
+        slots = distinct
         if self._zombies:
-            for s in np.unique(slots[m.leases[slots] == 0]).tolist():
+            for s in slots[m.leases[slots] == 0].tolist():
                 if s in self._zombies:
                     self._zombies.remove(s)
                     self._free.append(s)

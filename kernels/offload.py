@@ -38,13 +38,18 @@ class Crossover:
     twin_min_batch: int  # NumPy twin from this batch size on (no GPU)
 
 
-# Measured by bench/bench_gpu.py (crossover section) on an H100 machine, 2026-11-21;
-# see docs/BENCHMARKS.md. Rows by increasing capacity; the last row whose
-# capacity <= the table's capacity applies. Below the first row: always the CPU structure.
+NEVER = 1 << 62
+
+# Measured by `make bench-gpu` (crossover section: one learner step = B priority
+# updates then B draws, per path) on an NVIDIA H200 machine, 2026-11-21; see
+# docs/BENCHMARKS.md. Rows by increasing capacity; the last row whose capacity
+# <= the table's applies; below the first row the CPU structure always wins.
+# The twin never beat the CPU structure there (its O(N) scan costs more than the
+# structure's O(N / block + n * block) up to B = 65536), so without a GPU the
+# CPU structure is always taken; GEAR_SELECTION_BACKEND=twin still forces it.
 CROSSOVERS: tuple[Crossover, ...] = (
-    Crossover(capacity=65_536, gpu_min_batch=256, twin_min_batch=1 << 62),
-    Crossover(capacity=262_144, gpu_min_batch=64, twin_min_batch=16_384),
-    Crossover(capacity=1_048_576, gpu_min_batch=16, twin_min_batch=16_384),
+    Crossover(capacity=16_384, gpu_min_batch=1024, twin_min_batch=NEVER),
+    Crossover(capacity=1_048_576, gpu_min_batch=256, twin_min_batch=NEVER),
 )
 
 

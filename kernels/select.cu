@@ -239,19 +239,25 @@ gear_weighted_search(const double* __restrict__ priority, const u8* __restrict__
         const double r = __dsub_rn(t, prefix[j]);
         const double tile_sum = block_sum[j];
         const double* E = sub_prefix + j * SCAN_THREADS;
-        int lo = 0, hi = SCAN_THREADS;
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (gear_sub_incl(E, tile_sum, mid) > r) hi = mid; else lo = mid + 1;
-        }
-        if (lo == SCAN_THREADS) {  // r at or past the tile's end: the first subtile reaching it
-            lo = 0; hi = SCAN_THREADS;
-            while (lo < hi) {
-                const int mid = (lo + hi) >> 1;
-                if (gear_sub_incl(E, tile_sum, mid) >= tile_sum) hi = mid; else lo = mid + 1;
-            }
-        }
-        const int m = lo;
+        // First subtile m whose inclusive value exceeds r (or, when rounding puts r at
+        // or past the tile's end, reaches the end): two rounds of 16 independent loads,
+        // groups of 16 subtiles first, then the subtiles of the group.
+        const bool past_end = !(tile_sum > r);
+        double g[16];
+#pragma unroll
+        for (int q = 0; q < 16; ++q) g[q] = gear_sub_incl(E, tile_sum, 16 * q + 15);
+        int group = 15;
+#pragma unroll
+        for (int q = 15; q >= 0; --q)
+            if (past_end ? g[q] >= tile_sum : g[q] > r) group = q;
+        double h[16];
+#pragma unroll
+        for (int q = 0; q < 16; ++q) h[q] = gear_sub_incl(E, tile_sum, 16 * group + q);
+        int within = 15;
+#pragma unroll
+        for (int q = 15; q >= 0; --q)
+            if (past_end ? h[q] >= tile_sum : h[q] > r) within = q;
+        const int m = 16 * group + within;
         const double e = E[m];
         const i64 tile0 = j * SCAN_TILE;
         double w[SCAN_ITEMS];

@@ -258,18 +258,8 @@ class QueuePairs:
         if len(remote.qp_nums) != len(self._qps):
             raise VerbsError(f"peer has {len(remote.qp_nums)} queue pairs, this side {len(self._qps)}")
         for i, qp in enumerate(self._qps):
-            attr = self._attr()
-            attr.path_mtu = mtu
-            attr.dest_qp_num = remote.qp_nums[i]
-            attr.rq_psn = remote.psns[i]
-            attr.sq_psn = self.psns[i]
-            attr.max_dest_rd_atomic = rd_atomic
-            attr.max_rd_atomic = rd_atomic
-            attr.min_rnr_timer = MIN_RNR_TIMER
-            attr.timeout = ACK_TIMEOUT
-            attr.retry_cnt = RETRY_COUNT
-            attr.rnr_retry = RNR_RETRY
-            attr.ah_attr = _ah_attr(av)
+            attr = rts_attr(self.device.port.port, self.device.access, remote.qp_nums[i], remote.psns[i],
+                            self.psns[i], av, mtu, rd_atomic)
             try:
                 qp.to_rts(attr)
             except PyverbsError as exc:
@@ -277,16 +267,7 @@ class QueuePairs:
 
     def post_reads(self, queue: int, wr_id: int, ranges: np.ndarray, local: Region, remote: pb.RdmaRegion) -> None:
         """Post one chain of RDMA READs (ranges: int64 [k, 3] remote, local, length); only the last is signalled."""
-        wrs = []
-        last = len(ranges) - 1
-        for k, (r_off, l_off, length) in enumerate(ranges.tolist()):
-            sge = SGE(local.addr + l_off, length, local.lkey)
-            wr = SendWR(wr_id=wr_id if k == last else 0, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
-                        send_flags=e.IBV_SEND_SIGNALED if k == last else 0)
-            wr.set_wr_rdma(remote.rkey, remote.addr + r_off)
-            if wrs:
-                wrs[-1].next_wr = wr
-            wrs.append(wr)
+        wrs = read_chain(wr_id, ranges, local, remote)
         if not wrs:
             return
         try:
@@ -314,11 +295,50 @@ class QueuePairs:
             self.cq = None
 
 
-def _ah_attr(av: AddressVector) -> AHAttr:
+def ah_attr(av: AddressVector) -> AHAttr:
+    """The address handle attributes: LID routing, or a global route header to the peer's GID."""
     if av.is_global:
         gr = GlobalRoute(dgid=GID(val=gid_to_str(av.dgid)), sgid_index=av.sgid_index, hop_limit=av.hop_limit)
         return AHAttr(port_num=av.port, is_global=1, gr=gr, dlid=av.dlid)
     return AHAttr(port_num=av.port, is_global=0, dlid=av.dlid)
+
+
+def rts_attr(port_num: int, access: int, dest_qp_num: int, remote_psn: int, local_psn: int, av: AddressVector,
+             mtu: int, rd_atomic: int) -> QPAttr:
+    """Attributes for one RC queue pair's RESET/INIT -> RTR -> RTS transitions against its peer."""
+    attr = QPAttr(port_num=port_num)
+    attr.qp_access_flags = access
+    attr.pkey_index = 0
+    attr.path_mtu = mtu
+    attr.dest_qp_num = dest_qp_num
+    attr.rq_psn = remote_psn  # the PSN the peer sends from
+    attr.sq_psn = local_psn
+    attr.max_dest_rd_atomic = rd_atomic  # READs this side serves at once (responder)
+    attr.max_rd_atomic = rd_atomic  # READs this side keeps in flight (requester)
+    attr.min_rnr_timer = MIN_RNR_TIMER
+    attr.timeout = ACK_TIMEOUT
+    attr.retry_cnt = RETRY_COUNT
+    attr.rnr_retry = RNR_RETRY
+    attr.ah_attr = ah_attr(av)
+    return attr
+
+
+def read_chain(wr_id: int, ranges: np.ndarray, local: Region, remote: pb.RdmaRegion) -> list:
+    """SendWRs of one chain of RDMA READs, linked by next_wr; only the last is signalled (and carries wr_id).
+
+    The list must stay alive until post_send returns (next_wr links point into it).
+    """
+    wrs = []
+    last = len(ranges) - 1
+    for k, (r_off, l_off, length) in enumerate(np.asarray(ranges).tolist()):
+        sge = SGE(local.addr + l_off, length, local.lkey)
+        wr = SendWR(wr_id=wr_id if k == last else 0, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
+                    send_flags=e.IBV_SEND_SIGNALED if k == last else 0)
+        wr.set_wr_rdma(remote.rkey, remote.addr + r_off)
+        if wrs:
+            wrs[-1].next_wr = wr
+        wrs.append(wr)
+    return wrs
 
 
 def _close_quietly(obj) -> None:

@@ -188,7 +188,7 @@ def test_item_longer_than_the_table_allows_client(client, seeded):
     with unchanged(client, seeded):
         with pytest.raises(ValueError):
             with client.trajectory_writer(4, validate_items=False) as writer:
-                for t in range(4):
+                for _ in range(4):
                     writer.append({"obs": np.zeros(2, np.float32)})
                 writer.create_item("fixed_len", 1.0, {"obs": writer.history["obs"][-4:]})
                 writer.flush(timeout_ms=PROMPT_S * 1000)

@@ -73,7 +73,7 @@ def test_nested_insert_comes_back_flat_in_reverb_order(client):
     assert isinstance(s.data, list)
     expected = [data["a"].observation, data["a"].reward, data["b"][0], data["b"][1][0], data["b"][1][1]]
     assert len(s.data) == len(expected)
-    for got, want in zip(s.data, expected):
+    for got, want in zip(s.data, expected, strict=True):
         assert got.dtype == np.asarray(want).dtype
         np.testing.assert_array_equal(got, np.asarray(want)[None])
 
@@ -112,7 +112,7 @@ def test_nested_structures_round_trip_through_the_signature(nested_server):
     assert isinstance(got["pair"], tuple) and isinstance(got["seq"], list)
     np.testing.assert_array_equal(got["step"].observation, data["step"].observation)
     np.testing.assert_array_equal(got["step"].reward, data["step"].reward)
-    for g, w in zip(list(got["pair"]) + list(got["seq"]), list(data["pair"]) + list(data["seq"])):
+    for g, w in zip(list(got["pair"]) + list(got["seq"]), list(data["pair"]) + list(data["seq"]), strict=True):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(g, w)
 

@@ -159,3 +159,44 @@ def test_real_pyverbs_without_a_device_reports_none(tmp_path):
         pytest.skip(f"this machine has RDMA devices: {result['devices']}")
     assert result["probe"] is None
     assert result["device"] == "VerbsError"  # ibv_open_device of a device that is not there
+
+
+_BUILD = """
+import json
+import numpy as np
+import pyverbs.enums as e
+from gear_client._proto import replay_pb2 as pb
+from gear_client.data_planes import addressing as ad, verbs
+ranges = np.array([[0, 0, 4096], [8192, 4096, 4096], [65536, 8192, 100]])
+wrs = verbs.read_chain(7, ranges, verbs.Region(0x10000, 1 << 20, 11, 0), pb.RdmaRegion(addr=0x7f0000, rkey=42, length=1 << 30))
+local = ad.PortInfo("mlx5_0", 1, "Ethernet", 0, bytes(10) + b"\\xff\\xff" + bytes(4), 3, 5, 1 << 30)
+peer = local.endpoint([0x33], [9])
+av = ad.address_vector(local, peer)
+attr = verbs.rts_attr(1, e.IBV_ACCESS_REMOTE_READ, 0x33, 9, 5, av, 4, 8)
+ib = verbs.ah_attr(ad.AddressVector(1, False, 17, bytes(16), 0))
+print(json.dumps({
+    "wr_ids": [w.wr_id for w in wrs], "opcodes": [w.opcode == e.IBV_WR_RDMA_READ for w in wrs],
+    "signalled": [bool(w.send_flags & e.IBV_SEND_SIGNALED) for w in wrs], "sges": [w.num_sge for w in wrs],
+    "qp": [attr.path_mtu, attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.max_rd_atomic, attr.max_dest_rd_atomic,
+           attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.qp_access_flags == e.IBV_ACCESS_REMOTE_READ],
+    "roce_ah": [attr.ah_attr.is_global, attr.ah_attr.sgid_index, attr.ah_attr.dgid, attr.ah_attr.port_num],
+    "ib_ah": [ib.is_global, ib.dlid],
+}))
+"""
+
+
+@pytest.mark.skipif(not DEBIAN_PYVERBS.is_dir(), reason="the distribution's python3-pyverbs is not installed")
+def test_verbs_objects_build_with_the_real_pyverbs(tmp_path):
+    """Work requests, queue-pair attributes and address handles need no device: build them with pyverbs."""
+    (tmp_path / "pyverbs").symlink_to(DEBIAN_PYVERBS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(tmp_path), str(ROOT))))
+    out = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    if out.returncode != 0 and "No module named 'pyverbs" in out.stderr:
+        pytest.skip("the distribution's pyverbs does not import here")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["wr_ids"] == [0, 0, 7] and all(r["opcodes"]) and r["sges"] == [1, 1, 1]
+    assert r["signalled"] == [False, False, True]  # selective signalling: the chain's last only
+    assert r["qp"] == [4, 0x33, 9, 5, 8, 8, 14, 7, 7, True]
+    assert r["roce_ah"] == [1, 3, "0000:0000:0000:0000:0000:ffff:0000:0000", 1]
+    assert r["ib_ah"] == [0, 17]

@@ -182,7 +182,8 @@ class DaemonProcess:
 
     @property
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig=None, timeout: float = 60.0) -> int:
@@ -202,9 +203,11 @@ class DaemonProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
-        self._drain(0.05)
-        self.notify.close()
-        self._log.close()
+        if self.notify.fileno() >= 0:
+            while self._drain(0.05):  # keep what the daemon said on its way out
+                pass
+            self.notify.close()
+            self._log.close()
 
 
 def tables_toml(instance: str) -> str:

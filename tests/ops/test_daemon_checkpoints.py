@@ -131,11 +131,12 @@ def test_sigterm_writes_a_final_checkpoint_that_restores_every_counter(tmp_path)
         client = gear_client.Client(daemon.address)
         insert_items(client, range(8))
         assert drain_queue(client, 3) == [0, 1, 2]
-        client.mutate_priorities("prio", updates={})  # a no-op call is fine
         prio = list(client.sample("prio", num_samples=20, emit_timesteps=False))
         times = {}
         for s in prio:
             times[int(s.info.key)] = max(times.get(int(s.info.key), 0), s.info.times_sampled)
+        mutated = int(prio[0].info.key)
+        client.mutate_priorities("prio", updates={mutated: 50.0})
         before = client.server_info(timeout=30)
         time.sleep(1.0)  # periodic checkpoints every 0.3 s, keep 2
         assert len(_checkpoints(tmp_path)) <= 2
@@ -144,9 +145,10 @@ def test_sigterm_writes_a_final_checkpoint_that_restores_every_counter(tmp_path)
     finally:
         daemon.close()
     log = daemon.log
-    assert "final" in "".join(daemon.messages)
+    assert "final checkpoint" in "".join(daemon.messages)
     final = _checkpoints(tmp_path)[-1]
-    assert (final / COMPLETE).exists() and f"checkpoint written path={final}" in log
+    assert (final / COMPLETE).exists()
+    assert log.index("received SIGTERM") < log.index(f"checkpoint written path={final}"), log
 
     second = DaemonProcess(tmp_path, config, "second")
     try:
@@ -160,11 +162,14 @@ def test_sigterm_writes_a_final_checkpoint_that_restores_every_counter(tmp_path)
             assert after[name].num_unique_samples == before[name].num_unique_samples
         assert drain_queue(client, 5) == [3, 4, 5, 6, 7]
         # Priorities and times sampled carry on where they were.
-        for s in client.sample("prio", num_samples=10, emit_timesteps=False):
+        seen = set()
+        for s in client.sample("prio", num_samples=30, emit_timesteps=False):
             key = int(s.info.key)
+            seen.add(key)
             value = int(s.data[0].reshape(-1)[0])
-            assert s.info.priority == value + 1.0
+            assert s.info.priority == (50.0 if key == mutated else value + 1.0)
             assert s.info.times_sampled >= times.get(key, 0) + 1
             times[key] = s.info.times_sampled
+        assert mutated in seen  # priority 50 against 3..9: missed in 30 draws with probability < 1e-10
     finally:
         second.stop()

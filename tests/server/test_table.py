@@ -707,3 +707,25 @@ def test_million_item_table_sanity(store):
     slot = table._key_to_slot[next(iter(upd))]
     assert table.meta.priority[slot] == 2.0
     table.close()
+
+
+def test_table_prioritized_distribution_matches_reported_probabilities(store):
+    """Through Table.sample (batched picks, leases): frequencies follow w/sum(w), chi-square at p = 0.001."""
+    from tests.server.conftest import chi2_critical, chi2_statistic
+
+    table = make_table(store, sampler="prioritized", exponent=0.5, max_size=16, seed=5)
+    priorities = [1.0, 4.0, 9.0, 16.0, 0.0, 25.0]
+    for k, p in enumerate(priorities):
+        table.insert(item(k, priority=p))
+    w = np.sqrt(priorities)
+    expect = w / w.sum()
+    counts = np.zeros(len(priorities))
+    for _ in range(100):
+        sel = table.sample(300)
+        np.testing.assert_allclose(sel.probabilities, expect[sel.keys.astype(np.int64)], rtol=1e-12)
+        counts += np.bincount(sel.keys.astype(np.int64), minlength=len(priorities))
+        table.release(sel.lease_id)
+    assert counts[4] == 0
+    nz = expect > 0
+    assert chi2_statistic(counts[nz], expect[nz]) < chi2_critical(int(nz.sum()) - 1)
+    table.close()
