@@ -40,7 +40,7 @@ CHANNEL_OPTIONS = [
 ]
 _SAMPLE_METHOD = "/gear.v1.ReplayService/Sample"
 # Items per Select when client.sample goes over a data plane (shm/rdma).
-_PLANE_ITEMS_PER_SELECT = 64
+_PLANE_ITEMS_PER_SELECT = 256
 
 
 class Client:
@@ -293,10 +293,8 @@ class Client:
         return sampler
 
     def _signature_structure(self, table: str) -> pb.Structure | None:
-        """The structure of the table's signature (None: the table has none, data stays flat)."""
-        info = self._table_info(table)
-        if not info.HasField("signature"):
-            info = self._table_info(table, refresh=True)  # a signature learned since the last look
+        """The structure of the table's signature (None: the table has none, data stays flat, as Reverb)."""
+        info = self._table_info(table)  # a table's signature is fixed by its configuration: the cache holds
         return info.signature.structure if info.HasField("signature") else None
 
     # ------------------------------------------------------------------ table operations

@@ -68,12 +68,14 @@ class TrajectoryDataset:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._done = False
+        self.plane_kind: str | None = None
         self._thread = threading.Thread(target=self._produce, name=f"gear-dataset-{table}", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- producer
     def _produce(self) -> None:
         produced = 0
+        stream = None  # the sampler's pipelined batches (full-size batches only)
         try:
             while not self._stop.is_set():
                 want = self.batch_size
@@ -82,11 +84,21 @@ class TrajectoryDataset:
                     if want <= 0:
                         break
                 try:
-                    batch = self._sampler.sample(want, window=self.window, timeout=self._timeout)
+                    if want == self.batch_size:
+                        if stream is None:
+                            stream = self._sampler.batches(want, window=self.window, timeout=self._timeout)
+                        batch = next(stream)
+                    else:
+                        if stream is not None:
+                            stream.close()
+                            stream = None
+                        batch = self._sampler.sample(want, window=self.window, timeout=self._timeout)
                 except errors.DeadlineExceededError:
+                    stream = None  # a generator that raised is finished
                     if self._timeout is not None:
                         break  # Reverb ends the stream when the rate limiter times out
                     continue
+                self.plane_kind = batch.plane
                 produced += len(batch)
                 self._put(self._to_output(batch))
         except SamplerClosedError:
@@ -94,6 +106,12 @@ class TrajectoryDataset:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             if not self._stop.is_set():
                 self._put(_Failure(exc))
+        finally:
+            if stream is not None:
+                try:
+                    stream.close()  # releases the leases still in flight
+                except Exception:  # noqa: BLE001
+                    pass
         self._put(_END)
 
     def _put(self, item: Any) -> None:
@@ -163,8 +181,8 @@ class TrajectoryDataset:
 
     @property
     def plane(self) -> str | None:
-        """The data plane in use ("shm", "rdma" or "inline")."""
-        return self._sampler.kind
+        """The data plane in use ("shm", "rdma" or "inline"); after close, the last one used."""
+        return self._sampler.kind or self.plane_kind
 
     # ---------------------------------------------------------------- lifecycle
     def close(self, timeout: float = 10.0) -> None:

@@ -1105,8 +1105,8 @@ class TrajectoryWriter:
             return
         problem = _signature_problem(table, self._table_info(table), specs)
         if problem is not None:
-            # The signature may have changed since it was fetched (a table that
-            # learns its signature from its first item, then was reset): look again.
+            # The cached info may be stale (e.g. the server at this address was
+            # restarted with other tables): look again before refusing.
             problem = _signature_problem(table, self._table_info(table, refresh=True), specs)
             if problem is not None:
                 raise ValueError(problem)

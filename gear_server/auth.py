@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,15 +79,17 @@ class AuthSettings:
             return None
         path = Path(self.token_file)
         try:
-            mode = path.stat().st_mode
+            info = path.stat()
             token = path.read_text().strip()
         except OSError as exc:
             raise ValueError(f"[auth] token_file {path}: {exc.strerror or exc}") from exc
         if not token:
             raise ValueError(f"[auth] token_file {path} is empty")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("token file %s is readable by group or others (mode %o): chmod 600 it",
-                        path, stat.S_IMODE(mode))
+        # 0600, or 0640 with the daemon's own group (root:gear as the install script makes it).
+        own_group = info.st_gid == os.getgid() or info.st_gid in os.getgroups()
+        if info.st_mode & stat.S_IRWXO or (info.st_mode & stat.S_IRWXG and not own_group):
+            log.warning("token file %s can be read by other users (mode %o, group %d): chmod o-rwx, and give it "
+                        "the daemon's group or mode 0600", path, stat.S_IMODE(info.st_mode), info.st_gid)
         return token
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
@@ -137,6 +140,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
         self._exempt = exempt_prefixes
         self._on_denied = on_denied
+        self._refusals: dict[tuple[str, str], grpc.RpcMethodHandler | None] = {}  # built once per method
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -153,8 +157,13 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if self._on_denied is not None:
             self._on_denied(method)
         reason = "missing bearer token" if presented is None else "wrong bearer token"
-        handler = continuation(handler_call_details)
-        return _refusal(handler, f"{method}: {reason}")
+        refusal = self._refusals.get((method, reason))
+        if refusal is None:
+            refusal = _refusal(continuation(handler_call_details), f"{method}: {reason}")
+            if len(self._refusals) > 4096:  # method names come from callers: keep the cache bounded
+                self._refusals.clear()
+            self._refusals[(method, reason)] = refusal
+        return refusal
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler | None:

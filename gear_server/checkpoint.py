@@ -50,6 +50,7 @@ TEST_PAUSE_ENV = "GEAR_CHECKPOINT_TEST_PAUSE_S"
 _NAME = re.compile(r"^ckpt-(\d{6,})-(\d{8}T\d{6}Z)$")
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 64 << 20  # bytes hashed (in a helper thread) while the previous chunk is written
+_FLUSH_EVERY = 256 << 20  # big files: start writing back to the disk before the end
 
 
 class CheckpointError(Exception):
@@ -185,6 +186,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _read_npy(path: Path, hasher: concurrent.futures.Executor) -> tuple[np.ndarray, str]:
+    """An .npy file and its SHA-256, read in chunks hashed while the next one is read.
+
+    Only numpy's format reader parses the header; object dtypes (which numpy
+    would unpickle) are refused, as ``np.load(allow_pickle=False)`` does.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+        if dtype.hasobject:
+            raise ValueError("object arrays are refused (they would be unpickled)")
+        header_len = f.tell()
+        f.seek(0)
+        digest.update(f.read(header_len))
+        array = np.empty(shape, dtype, order="F" if fortran else "C")
+        view = memoryview(array.reshape(-1, order="A").view(np.uint8)) if array.size else memoryview(b"")
+        pending = None
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start:start + _CHUNK]
+            if f.readinto(chunk) != len(chunk):
+                raise ValueError("the file ends before its data does")
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(digest.update, chunk)  # hashlib releases the GIL
+        if pending is not None:
+            pending.result()
+        if f.read(1):
+            raise ValueError("bytes after the array data")
+    return array, digest.hexdigest()
+
+
 def _npy_header(array: np.ndarray) -> bytes:
     """numpy's .npy header for ``array`` (written by numpy's own format code)."""
     buffer = io.BytesIO()
@@ -205,17 +243,19 @@ class _Writer:
         self.entries: dict[str, dict[str, Any]] = {}
         self.total = 0
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gear-ckpt-hash")
+        self._flusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gear-ckpt-flush")
 
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
+        self._flusher.shutdown(wait=True)
 
     def write(self, name: str, pieces: Iterable[memoryview | bytes]) -> None:
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         size = 0
-        pending = None
-        with open(path, "wb") as f:
+        pending = flushing = None
+        with open(path, "wb", buffering=0) as f:
             for piece in pieces:
                 view = memoryview(piece).cast("B")
                 for start in range(0, len(view), _CHUNK):
@@ -223,11 +263,16 @@ class _Writer:
                     if pending is not None:
                         pending.result()
                     pending = self._hasher.submit(digest.update, chunk)  # hashlib releases the GIL
-                    f.write(chunk)
-                    size += len(chunk)
+                    while chunk:
+                        chunk = chunk[f.write(chunk):]
+                    size += len(view[start:start + _CHUNK])
+                    if size >= _FLUSH_EVERY and (flushing is None or flushing.done()):
+                        # The disk drains what is written so far while the next chunks are hashed.
+                        flushing = self._flusher.submit(os.fdatasync, f.fileno())
             if pending is not None:
                 pending.result()
-            f.flush()
+            if flushing is not None:
+                flushing.result()
             os.fsync(f.fileno())
         self.entries[name] = {"bytes": size, "sha256": digest.hexdigest()}
         self.total += size
@@ -442,18 +487,21 @@ class Checkpointer:
                 data = file.read_bytes()
                 check_digest(name, hashlib.sha256(data).hexdigest())
                 return data
-            with open(file, "rb") as f:
-                try:
-                    array = np.load(f, allow_pickle=False)
-                except (ValueError, OSError) as exc:
-                    raise CheckpointError(f"{path}: {name} is not a valid .npy file: {exc}") from exc
-                header_len = file.stat().st_size - array.nbytes
-                f.seek(0)
-                digest = hashlib.sha256(f.read(header_len))
-            digest.update(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-            check_digest(name, digest.hexdigest())
+            try:
+                array, digest = _read_npy(file, hasher)
+            except (ValueError, OSError) as exc:
+                raise CheckpointError(f"{path}: {name} is not a valid .npy file: {exc}") from exc
+            check_digest(name, digest)
             return array
 
+        hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gear-ckpt-hash")
+        try:
+            return Checkpointer._load_tables(path, manifest, load_file)
+        finally:
+            hasher.shutdown(wait=True)
+
+    @staticmethod
+    def _load_tables(path: Path, manifest: dict[str, Any], load_file: Callable[[str, str], Any]) -> list[TableState]:
         states = []
         for entry in manifest["tables"]:
             config = pb.TableConfig()
@@ -499,7 +547,11 @@ class Checkpointer:
         apply = apply or (lambda path, states: states)
         candidates = [(path, True) for path in self.complete()]
         if fallback:
-            candidates.append((Path(fallback), False))
+            fallback = Path(fallback)
+            if (fallback / MANIFEST).exists() or not fallback.is_dir():
+                candidates.append((fallback, False))
+            else:  # another daemon's checkpoint root: its checkpoints, newest first
+                candidates.extend((path, False) for path in Checkpointer(fallback).complete())
         for path, ours in candidates:
             try:
                 states = self.load(path)

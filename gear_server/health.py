@@ -40,7 +40,7 @@ def _load(official: str, generated: str) -> tuple[ModuleType, ModuleType]:
 
 
 health_pb2, health_pb2_grpc = _load("grpc_health.v1.health", "health")
-# (package name, pb2, pb2_grpc) per reflection version; clients pick either.
+# Reflection package -> (pb2, pb2_grpc); both versions are served, clients pick either.
 REFLECTION: dict[str, tuple[ModuleType, ModuleType]] = {
     "grpc.reflection.v1": _load("grpc_reflection.v1.reflection", "reflection_v1"),
     "grpc.reflection.v1alpha": _load("grpc_reflection.v1alpha.reflection", "reflection_v1alpha"),

@@ -299,6 +299,16 @@ class Registry:
         return "\n".join(lines) + "\n"
 
 
+class _TableSeries:
+    """The hot-path series of one table, looked up once (a dict get per event instead of six)."""
+
+    __slots__ = ("inserts", "bytes_in", "samples", "bytes_inline", "selection", "transfer_inline")
+
+    def __init__(self, inserts, bytes_in, samples, bytes_inline, selection, transfer_inline) -> None:
+        self.inserts, self.bytes_in, self.samples = inserts, bytes_in, samples
+        self.bytes_inline, self.selection, self.transfer_inline = bytes_inline, selection, transfer_inline
+
+
 class ServerMetrics:
     """The daemon's metrics, with one cheap method per hot-path event."""
 
@@ -306,6 +316,7 @@ class ServerMetrics:
         """``tables`` returns the live {name: Table} (sizes and rate-limiter waits are read from it)."""
         r = self.registry = Registry()
         self._tables = tables
+        self._per_table: dict[str, _TableSeries] = {}
         self.inserts = r.counter("gear_inserts_total", "Items inserted.", ["table"])
         self.samples = r.counter("gear_samples_total", "Items sampled (every data plane).", ["table"])
         self.bytes_in = r.counter("gear_bytes_received_total", "Item bytes received by inserts.", ["table"])
@@ -356,20 +367,31 @@ class ServerMetrics:
         self.samples.labels(table).inc(items)
         self.bytes_out.labels(table, plane).inc(nbytes)
 
+    def _table_series(self, table: str) -> _TableSeries:
+        series = self._per_table.get(table)
+        if series is None:
+            series = self._per_table.setdefault(table, _TableSeries(
+                self.inserts.labels(table), self.bytes_in.labels(table), self.samples.labels(table),
+                self.bytes_out.labels(table, "inline"), self.selection.labels(table),
+                self.transfer.labels(table, "inline")))
+        return series
+
     def item_inserted(self, table: str, columns: Sequence[Any]) -> None:
         """One item in (its bytes counted from its columns: arrays or lists of chunk slices)."""
         nbytes = 0
         for column in columns:
             nbytes += column.nbytes if hasattr(column, "nbytes") else sum(part.nbytes for part in column)
-        self.inserts.labels(table).inc()
-        self.bytes_in.labels(table).inc(nbytes)
+        series = self._per_table.get(table) or self._table_series(table)
+        series.inserts.inc()
+        series.bytes_in.inc(nbytes)
 
     def sample_served(self, table: str, items: int, nbytes: int, select_s: float, transfer_s: float) -> None:
         """One inline SampleResponse: selection and read+encode times, items and bytes sent."""
-        self.samples.labels(table).inc(items)
-        self.bytes_out.labels(table, "inline").inc(nbytes)
-        self.selection.labels(table).observe(select_s)
-        self.transfer.labels(table, "inline").observe(transfer_s)
+        series = self._per_table.get(table) or self._table_series(table)
+        series.samples.inc(items)
+        series.bytes_inline.inc(nbytes)
+        series.selection.observe(select_s)
+        series.transfer_inline.observe(transfer_s)
 
     def plane_selected(self, table: Any, plane: str, selection: Any, select_s: float) -> None:
         """One data-plane Select: items handed out by reference; bytes are what the learner may read."""
@@ -506,6 +528,8 @@ class RpcObserver(grpc.ServerInterceptor):
                  on_error: Callable[[str, str], None] | None = None) -> None:
         self._metrics = metrics
         self._on_error = on_error
+        # Wrapped handlers by the identity of the handler they wrap (one per method): built once.
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def _finish(self, method: str, context, unset: str) -> None:
         """Record the call's status code; ``unset`` names it when the servicer set none."""
@@ -520,7 +544,16 @@ class RpcObserver(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        entry = self._wrapped.get(id(handler))
+        if entry is not None and entry[0] is handler:
+            return entry[1]
+        wrapped = self._wrap(handler, handler_call_details.method.rsplit("/", 1)[-1])
+        if len(self._wrapped) > 4096:  # handlers made per call (not ours): keep the cache bounded
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         finish = self._finish
 
         if handler.response_streaming:

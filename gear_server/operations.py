@@ -77,6 +77,8 @@ class Operations:
         cs = self.checkpoint_settings
         # A relative dir resolves against the working directory (/var/lib/gear under the unit).
         self.checkpointer = Checkpointer(Path(cs.dir).expanduser().absolute(), keep=cs.keep) if cs.dir else None
+        if settings.checkpoint is not None and self.checkpointer is None:
+            log.warning("[checkpoint] names no dir: checkpoints are off")
         self.health: health.HealthServicer | None = None
         self.metrics_server: MetricsServer | None = None
         self.restored_from: Path | None = None
@@ -90,8 +92,17 @@ class Operations:
 
         A checkpointed table keeps the config it was checkpointed with (its
         selector state only makes sense with it); a configured table missing
-        from the checkpoint starts empty.
+        from the checkpoint starts empty. Logs one line per table.
         """
+        served = self._restore(tables, make_table)
+        for name, table in served.items():
+            config = table.config
+            log.info("table %s: sampler=%s remover=%s max_size=%d max_times_sampled=%d items=%d", name,
+                     config.sampler.WhichOneof("distribution"), config.remover.WhichOneof("distribution"),
+                     config.max_size, config.max_times_sampled, table.size())
+        return served
+
+    def _restore(self, tables: dict[str, Any], make_table: Callable[[pb.TableConfig], Any]) -> dict[str, Any]:
         self._tables = tables
         cs = self.checkpoint_settings
         if self.checkpointer is None:
@@ -142,7 +153,7 @@ class Operations:
         merged.update({name: restored[name] for name in extra})
         self._tables = merged
         self.restored_from = path
-        items = sum(t.size() if callable(getattr(t, "size", None)) else 0 for t in restored.values())
+        items = sum(t.size() for t in restored.values())
         log.info("restored checkpoint path=%s tables=%d items=%d seconds=%.3f", path, len(restored), items,
                  time.monotonic() - started)
         return merged

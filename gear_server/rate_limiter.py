@@ -12,6 +12,12 @@ The table reserves a slot for an insert before copying its bytes outside the
 lock; such an insert is *pending*: it counts against ``can_insert`` (so that
 concurrent writers cannot overshoot ``max_diff``) but not for sampling, which
 only sees items whose bytes are in.
+
+Reported call stats follow Reverb 0.14 (``RateLimiter::Info``): ``completed`` is
+the insert / sample counter itself, so ``reset`` (the table's Reset) zeroes it and
+a restored checkpoint brings it back. ``limited`` and the wait times are gear's
+additions (Reverb 0.14 leaves them 0): cumulative since the table was built, never
+reset, so that the metrics built on them only grow.
 """
 
 from __future__ import annotations
@@ -26,10 +32,9 @@ from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedErr
 
 
 class CallStats:
-    """Completed / limited counts and wait times of one kind of call (insert or sample)."""
+    """Limited count and wait times of one kind of call (insert or sample); cumulative, never reset."""
 
     def __init__(self) -> None:
-        self.completed = 0
         self.limited = 0
         self.completed_wait_s = 0.0
         self._pending: dict[int, float] = {}  # event id -> start (monotonic)
@@ -42,7 +47,6 @@ class CallStats:
 
     def finish(self, event: int, blocked: bool) -> None:
         start = self._pending.pop(event)
-        self.completed += 1
         if blocked:
             self.limited += 1
             self.completed_wait_s += time.monotonic() - start
@@ -51,13 +55,11 @@ class CallStats:
         """Forget a call whose caller went away (its RPC was cancelled): it did not happen."""
         self._pending.pop(event, None)
 
-    def add_unblocked(self, n: int) -> None:
-        self.completed += n
-
-    def to_proto(self) -> pb.RateLimiterCallStats:
+    def to_proto(self, completed: int) -> pb.RateLimiterCallStats:
+        """The stats as reported; ``completed`` is the rate limiter's counter of such calls (as Reverb 0.14)."""
         now = time.monotonic()
         return pb.RateLimiterCallStats(
-            completed=self.completed, limited=self.limited, completed_wait_time_s=self.completed_wait_s,
+            completed=completed, limited=self.limited, completed_wait_time_s=self.completed_wait_s,
             pending_wait_time_s=sum(now - s for s in self._pending.values()),
         )
 
@@ -175,8 +177,8 @@ class RateLimiter:
                     raise RateLimiterTimeout(
                         "Rate Limiter: Timeout exceeded before the right to sample was acquired.")
         finally:
-            # The sample stats count this call only when it completes a sample; a timed-out
-            # wait still counts as completed, as in Reverb; one whose caller went away does not.
+            # A wait whose caller went away is forgotten; any other wait (timed out included)
+            # adds to the limited count and wait time when it was blocked.
             if blocked is None:
                 self.sample_stats.discard(event)
             else:
@@ -202,6 +204,7 @@ class RateLimiter:
         self.notify()
 
     def reset(self) -> None:
+        """Zero the counters (Reverb's Reset); the cumulative limited / wait stats stay."""
         self.inserts = 0
         self.samples = 0
         self.deletes = 0
@@ -233,8 +236,8 @@ class RateLimiter:
     def info(self) -> pb.RateLimiterInfo:
         return pb.RateLimiterInfo(
             samples_per_insert=self.samples_per_insert, min_diff=self.min_diff, max_diff=self.max_diff,
-            min_size_to_sample=self.min_size_to_sample, insert_stats=self.insert_stats.to_proto(),
-            sample_stats=self.sample_stats.to_proto(), num_deletes=self.deletes,
+            min_size_to_sample=self.min_size_to_sample, insert_stats=self.insert_stats.to_proto(self.inserts),
+            sample_stats=self.sample_stats.to_proto(self.samples), num_deletes=self.deletes,
         )
 
     def state(self) -> dict[str, int]:

@@ -9,6 +9,14 @@ they run out). The maximum length comes from the signature's leading (time)
 dimension, else from ``TableConfig.initial_max_length`` or the first item, and
 grows (doubling, items kept) when a longer item arrives.
 
+A table without a signature reports none (``TableInfo.signature`` unset, as in
+Reverb); it learns its column layout (structure, dtypes, step shapes) from the
+first item and keeps it internal (``layout()``). While it holds items, an item
+that breaks that layout is refused (ValueError naming the column): Reverb would
+store it, gear keeps one layout per segment. Once it is empty again (``reset``,
+or every item removed) and no lease or copy is outstanding, the next item may
+differ: the table relearns its layout into a new segment (layout version + 1).
+
 Semantics follow Reverb (REVERB_COMPAT.md): insert-when-full then remove,
 ``max_times_sampled``, existing key = priority update, per-sample rate
 limiting, deletes-before-updates in ``mutate_priorities``, ``reset``.
@@ -183,6 +191,21 @@ def _shape_matches(shape: tuple[int, ...], spec: Sequence[int]) -> bool:
     return len(shape) == len(spec) and all(s < 0 or s == d for d, s in zip(shape, spec, strict=True))
 
 
+def _structure_difference(got: pb.Structure, want: pb.Structure) -> str:
+    """The first column where an item's structure departs from the table's, in words."""
+    got_paths, want_paths = leaf_paths(got), leaf_paths(want)
+    for c, (g, w) in enumerate(zip(got_paths, want_paths, strict=False)):
+        if g != w:
+            return f"column '{g}' (#{c}) is where the table has column '{w}'"
+    if len(got_paths) > len(want_paths):
+        c = len(want_paths)
+        return f"column '{got_paths[c]}' (#{c}) is not in the table's structure"
+    if len(got_paths) < len(want_paths):
+        c = len(got_paths)
+        return f"the item lacks the table's column '{want_paths[c]}' (#{c})"
+    return "same columns, but nested in different containers (dict/list/tuple/namedtuple)"
+
+
 def _fmt_spec(spec: Sequence[int]) -> str:
     return "[" + ", ".join("?" if s < 0 else str(s) for s in spec) + "]"
 
@@ -348,18 +371,8 @@ class Table:
             self._rate_limiter.wake_all()
 
     def signature(self) -> pb.Signature | None:
-        """The configured signature, or the one learned from the first item (None before it)."""
-        with self._lock:
-            return self._current_signature()
-
-    def _current_signature(self) -> pb.Signature | None:
-        if self._signature is not None:
-            return self._signature
-        if self._specs is None:
-            return None
-        return pb.Signature(structure=self._structure, leaves=[
-            pb.TensorSpec(name=s.name, dtype=s.dtype.str, shape=list(s.step_shape) if s.squeeze
-                          else [-1, *s.step_shape]) for s in self._specs])
+        """The configured signature (None without one; a learned layout is not a signature)."""
+        return self._signature
 
     def info(self) -> pb.TableInfo:
         with self._lock:
@@ -370,9 +383,8 @@ class Table:
                 num_episodes=len(self._episode_refs), num_deleted_episodes=self._num_deleted_episodes,
                 num_unique_samples=self._num_unique_samples, table_worker_time_ms=self._worker_time_s * 1e3,
             )
-            signature = self._current_signature()
-            if signature is not None:
-                info.signature.CopyFrom(signature)
+            if self._signature is not None:
+                info.signature.CopyFrom(self._signature)
             return info
 
     # ------------------------------------------------------------------ validation
@@ -430,10 +442,37 @@ class Table:
         episodes = tuple(sorted({int(e) for e in item.episode_ids})) if item.episode_ids else ()
         return _PreparedItem(key, priority, pieces, lengths, specs, episodes, item.structure)
 
+    def _fits_layout(self, prep: _PreparedItem) -> bool:
+        """Whether the item has the learned layout's structure, dtypes, step shapes and squeezes (lock held)."""
+        return self._specs is None or (prep.specs == self._spec_keys and prep.structure == self._structure)
+
+    def _can_relearn(self) -> bool:
+        """Whether a signature-less table may take a new layout now: it holds no item, lease or copy (lock held)."""
+        return (self._signature is None and self._specs is not None and not self._key_to_slot
+                and not self._leases and not self._zombies and not self._copies_in_flight)
+
+    def _needs_relearn(self, prep: _PreparedItem) -> bool:
+        """True when the item breaks the learned layout and the table may relearn it; otherwise
+        the item must fit (ValueError naming the column if not). Lock held."""
+        if self._can_relearn() and not self._fits_layout(prep):
+            return True
+        self._validate(prep)
+        return False
+
     def _validate(self, prep: _PreparedItem) -> None:
         """Checks against the signature and the learned layout (lock held)."""
+        try:
+            self._validate_fit(prep)
+        except ValueError as e:
+            if self._signature is None and self._specs is not None and not self._key_to_slot and self._leases:
+                raise ValueError(f"{e} (the table is empty and relearns its layout from the next item once "
+                                 f"its {len(self._leases)} outstanding lease(s) are released)") from None
+            raise
+
+    def _validate_fit(self, prep: _PreparedItem) -> None:
         if self._structure is not None and prep.structure != self._structure:
-            raise ValueError(f"item {prep.key}: structure does not match the table's (leaves "
+            raise ValueError(f"item {prep.key}: structure does not match the table's: "
+                             f"{_structure_difference(prep.structure, self._structure)} (leaves "
                              f"{leaf_paths(prep.structure)} vs {leaf_paths(self._structure)})")
         if self._sig_leaves is not None:
             for c, ((dtype, step_shape, squeezed), length) in enumerate(zip(prep.specs, prep.lengths, strict=True)):
@@ -468,7 +507,7 @@ class Table:
         prep = self._prepare(item)
         with self._lock:
             self._check_open()
-            self._validate(prep)
+            relearn = self._needs_relearn(prep)
             if prep.key in self._key_to_slot:
                 self._update_existing(prep.key, prep.priority)
                 return
@@ -478,8 +517,8 @@ class Table:
                 while True:
                     self._check_open()
                     if epoch != self._layout_epoch:
-                        self._validate(prep)
                         epoch = self._layout_epoch
+                        relearn = self._needs_relearn(prep)
                     if prep.key in self._key_to_slot:
                         self._update_existing(prep.key, prep.priority)
                         self._rate_limiter.insert_abandoned()
@@ -487,7 +526,10 @@ class Table:
                     if self._exclusive:
                         self._cond.wait()
                         continue
-                    if self._specs is None:
+                    if self._specs is None or relearn:
+                        if relearn and not self._can_relearn():  # items or leases arrived meanwhile
+                            relearn = self._needs_relearn(prep)  # raises unless the item fits now
+                            continue
                         self._fix_layout(prep)
                         continue
                     grown = self._grown_lengths(prep.lengths)
@@ -621,7 +663,6 @@ class Table:
             self._check_open()
             while taken < n:
                 k = rl.samples_allowed_now(n - taken) if self._key_to_slot else 0
-                waited = False
                 if k == 0:
                     try:
                         rl.await_sample(deadline, ready=self._has_items, abandoned=abandoned)
@@ -632,14 +673,12 @@ class Table:
                     except (TableClosedError, CallCancelled):
                         self._release_chunks(chunks)
                         raise
-                    waited = True
                     k = 1
                 t0 = time.perf_counter()
                 chunk = self._pick(k)
                 chunks.append(chunk)
                 got = len(chunk[0])
                 taken += got
-                rl.sample_stats.add_unblocked(got - 1 if waited else got)
                 rl.sampled(got)
                 self._worker_time_s += time.perf_counter() - t0
             lease_id = next(self._lease_ids)
@@ -853,11 +892,16 @@ class Table:
 
     # ------------------------------------------------------------------ layout and growth
     def _fix_layout(self, prep: _PreparedItem) -> None:
-        """Fix the column specs from the first item and create the segment (lock held)."""
+        """Fix the column specs from the first item, or relearn them from an item that breaks the
+        learned ones while the table holds nothing, and create the segment (lock held).
+
+        A relearned layout gets a new segment (version + 1, the old one is released) and a new
+        layout epoch, so waiting inserts re-validate and data-plane sessions fetch the new layout.
+        """
         self._begin_exclusive()
         try:
-            if self._specs is not None:
-                return
+            if self._specs is not None and not (self._can_relearn() and not self._fits_layout(prep)):
+                return  # learned meanwhile (and the item fits, or it is refused by the caller)
             names = ([name for _, _, name in self._sig_leaves] if self._sig_leaves is not None
                      else leaf_paths(prep.structure))
             specs = [_ColumnSpec(names[c], dtype, tuple(shape), squeezed)
@@ -873,11 +917,13 @@ class Table:
                 else:
                     lengths.append(max(int(self.config.initial_max_length), prep.lengths[c], 1))
             structure = pb.Structure()
-            structure.CopyFrom(self._structure if self._structure is not None else prep.structure)
+            structure.CopyFrom(self._signature.structure if self._signature is not None else prep.structure)
             self._set_specs(specs)
             self._structure = structure
             if self.meta.length.shape[1] != len(specs):
-                self.meta = ItemMetadata(self.capacity, len(specs))
+                meta = ItemMetadata(self.capacity, len(specs))
+                meta.generation[:] = self.meta.generation  # (slot, generation) stays unique across layouts
+                self.meta = meta
             self._build_segment(self.capacity, lengths, copy_from=None)
             self._layout_epoch += 1
         finally:

@@ -88,7 +88,7 @@ class WeightOffload:
         self.backend = backend_setting() if backend is None else backend
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown selection backend {self.backend!r}")
-        self._gpu = self.backend in ("auto", "gpu") and gpu_available()
+        self._gpu: bool | None = None  # looked up on first need: importing CuPy is not free
         self._dirty_slots: list[int] = []
         self._dirty_arrays: list[np.ndarray] = []
         self._all_dirty = True
@@ -101,14 +101,22 @@ class WeightOffload:
     def capacity(self) -> int:
         return int(self.weights.shape[0])
 
+    @property
+    def gpu(self) -> bool:
+        if self._gpu is None:
+            self._gpu = self.backend in ("auto", "gpu") and gpu_available()
+        return self._gpu
+
     def path(self, batch: int) -> str:
         if self.backend == "cpu":
             return "cpu"
         if self.backend == "twin":
             return "twin"
-        if self.backend == "gpu" and self._gpu:
+        if self.backend == "gpu" and self.gpu:
             return "gpu"
-        return choose_path(self.capacity, batch, self._gpu)
+        if choose_path(self.capacity, batch, gpu=True) == "cpu" and choose_path(self.capacity, batch, gpu=False) == "cpu":
+            return "cpu"  # no need to look for a GPU
+        return choose_path(self.capacity, batch, self.gpu)
 
     def touch(self, slot: int) -> None:
         if self._device_w is not None and not self._all_dirty:

@@ -27,7 +27,8 @@
 #define SCAN_ITEMS 16
 #define SCAN_TILE (SCAN_THREADS * SCAN_ITEMS)
 #define FOLD_CHUNK 1024
-#define SEARCH_SMEM_PREFIX 4097  // tile prefixes staged in shared memory by the search (tables up to 16M slots)
+#define SEARCH_THREADS 64         // small blocks: a batch of a few thousand draws spreads over every SM
+#define SEARCH_SMEM_PREFIX 1025   // tile prefixes staged in shared memory by the search (tables up to 4M slots)
 
 __device__ __forceinline__ double gear_weight(double p, u8 valid, double exponent, int mode) {
     if (!valid) return 0.0;
@@ -178,7 +179,7 @@ __device__ __forceinline__ double gear_sub_incl(const double* E, double tile_sum
 // weight). Uniform: the same search over counts with t = floor(u * n_valid), the
 // t-th valid slot in canonical order. All weights zero: the floor(u * n_valid)-th
 // valid slot, found by counting. Probabilities: w / total, or 1 / n_valid.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEARCH_THREADS)
 gear_weighted_search(const double* __restrict__ priority, const u8* __restrict__ valid, i64 n,
                      double exponent, int mode,
                      const double* __restrict__ sub_prefix, const double* __restrict__ block_sum,

@@ -9,6 +9,7 @@ same selection.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,7 @@ KEY_MODES = twins.KEY_MODES
 # Mirrors select.cu.
 _RS_REMAINING, _RS_EQ, _RS_CANDIDATES, _RS_WORDS = 2, 6, 7, 8
 _RADIX_PASSES = 8
+_SEARCH_THREADS = 64  # select.cu SEARCH_THREADS
 _FUSED_SCATTER_MAX = 1 << 16  # batches up to this many entries take one launch (the last block writes them all)
 _FIELDS = {"priority": (1, np.float64), "update_seq": (2, np.int64), "insert_seq": (4, np.int64),
            "valid": (8, np.bool_), "times_sampled": (16, np.int32)}
@@ -99,7 +101,7 @@ def weighted_sample(priority: Any, valid: Any, batch: int, rng: CounterRng, *, e
     """
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
-    if not uniform and not np.isfinite(exponent):
+    if not uniform and not math.isfinite(exponent):
         raise ValueError(f"priority exponent must be finite, got {exponent}")
     counter0 = rng.take(batch)
     if not is_device_array(valid):
@@ -137,7 +139,7 @@ def _launch_weighted(ws: _Workspace, prio: Any, valid: Any, n: int, exponent: fl
         (prio, valid, np.int64(n), np.float64(exponent), mode, ws.sub_prefix, ws.block_sum, ws.block_count,
          ws.block_prefix, ws.count_prefix, ws.counters[0:1]))
     kernel("select", "gear_weighted_search")(
-        (-(-batch // 256),), (256,),
+        (-(-batch // _SEARCH_THREADS),), (_SEARCH_THREADS,),
         (prio, valid, np.int64(n), np.float64(exponent), mode, ws.sub_prefix, ws.block_sum, ws.block_prefix,
          ws.count_prefix, np.int64(ws.nb), np.uint64(state), np.uint64(counter0),
          np.uint64(0) if rng_params is None else rng_params, np.int64(batch), slots, probs))

@@ -338,7 +338,7 @@ def _sample_stats(stub, table: str) -> pb.RateLimiterCallStats:
 
 
 def test_sample_deadline_and_a_cancelled_blocked_sample_takes_nothing(stub):
-    completed_before = _sample_stats(stub, "queue").completed
+    before = _sample_stats(stub, "queue")
     started = time.monotonic()
     error = rpc_error(stub.Sample, pb.SampleRequest(table="queue", num_samples=1, timeout_ms=200), timeout=PROMPT_S)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 5
@@ -352,8 +352,10 @@ def test_sample_deadline_and_a_cancelled_blocked_sample_takes_nothing(stub):
     insert(stub, simple_insert(70, "queue", np.zeros((1, 3), np.float32)))
     time.sleep(0.3)  # a sampler that survived its cancellation would take the item now
     assert size(stub, "queue") == 1
-    # The timed-out wait counts as a completed call (as in Reverb); the cancelled one does not.
-    assert _sample_stats(stub, "queue").completed == completed_before + 1
+    # Neither call sampled anything (completed is the sample counter, as in Reverb 0.14); the
+    # timed-out wait counts as limited, the cancelled one is forgotten.
+    after = _sample_stats(stub, "queue")
+    assert after.completed == before.completed and after.limited == before.limited + 1
 
 
 def test_stopping_the_daemon_ends_blocked_calls_and_unlinks_its_segments():

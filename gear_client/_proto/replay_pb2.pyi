@@ -122,20 +122,22 @@ class TableConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sampler: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiterOptions, _Mapping]] = ..., max_times_sampled: _Optional[int] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., initial_max_length: _Optional[int] = ...) -> None: ...
 
 class ServerConfig(_message.Message):
-    __slots__ = ("bind_address", "port", "tables", "checkpoint_dir", "shm_dir", "instance_name")
+    __slots__ = ("bind_address", "port", "tables", "checkpoint_dir", "shm_dir", "instance_name", "fallback_checkpoint_path")
     BIND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_NAME_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     bind_address: str
     port: int
     tables: _containers.RepeatedCompositeFieldContainer[TableConfig]
     checkpoint_dir: str
     shm_dir: str
     instance_name: str
-    def __init__(self, bind_address: _Optional[str] = ..., port: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableConfig, _Mapping]]] = ..., checkpoint_dir: _Optional[str] = ..., shm_dir: _Optional[str] = ..., instance_name: _Optional[str] = ...) -> None: ...
+    fallback_checkpoint_path: str
+    def __init__(self, bind_address: _Optional[str] = ..., port: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableConfig, _Mapping]]] = ..., checkpoint_dir: _Optional[str] = ..., shm_dir: _Optional[str] = ..., instance_name: _Optional[str] = ..., fallback_checkpoint_path: _Optional[str] = ...) -> None: ...
 
 class RateLimiterCallStats(_message.Message):
     __slots__ = ("completed", "limited", "completed_wait_time_s", "pending_wait_time_s")
@@ -498,30 +500,52 @@ class ItemRef(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelectRequest(_message.Message):
-    __slots__ = ("session_id", "num_samples", "timeout_ms")
+    __slots__ = ("session_id", "num_samples", "timeout_ms", "packed", "release_lease_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_samples: int
     timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    packed: bool
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
-    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region")
+    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids")
     REFS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    STALE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     refs: _containers.RepeatedCompositeFieldContainer[ItemRef]
     info: _containers.RepeatedCompositeFieldContainer[SampleInfo]
     layout_version: int
     lease_id: int
     layout: TableLayout
     region: RdmaRegion
-    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ...) -> None: ...
+    slots: Tensor
+    generations: Tensor
+    lengths: Tensor
+    keys: Tensor
+    probabilities: Tensor
+    table_sizes: Tensor
+    priorities: Tensor
+    times_sampled: Tensor
+    stale_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")

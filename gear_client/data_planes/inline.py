@@ -65,17 +65,18 @@ def assemble(layout: TableLayout, parts: list[list[np.ndarray]], lengths: np.nda
     starts, counts, firsts = window_bounds(lengths, layout, windows)
     cols = column_arrays(out, layout, batch, n)
     for c, col in enumerate(layout.columns):
-        data = np.concatenate(parts[c]) if len(parts[c]) > 1 else parts[c][0]
         target = cols[c]
-        if col.squeeze:
-            target[...] = data.reshape(target.shape)
-            continue
         lens = lengths[:, c].astype(np.int64)
-        offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
         T = steps[c]
-        if n and np.all(starts[:, c] == 0) and np.all(counts[:, c] == T) and np.all(lens == T):
-            target[...] = data.reshape(target.shape)
+        if col.squeeze or (n and np.all(starts[:, c] == 0) and np.all(counts[:, c] == T) and np.all(lens == T)):
+            row = 0  # whole rows: each message's part goes straight into its rows, no intermediate copy
+            for part in parts[c]:
+                k = part.shape[0] if col.squeeze else part.shape[0] // T
+                target[row:row + k] = part.reshape((k, *target.shape[1:]))
+                row += k
             continue
+        data = np.concatenate(parts[c]) if len(parts[c]) > 1 else parts[c][0]
+        offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
         for i in range(n):
             k = int(counts[i, c])
             s = int(offsets[i] + starts[i, c])

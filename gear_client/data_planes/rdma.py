@@ -23,7 +23,7 @@ import numpy as np
 
 from gear_client._proto import replay_pb2 as pb
 from gear_client.data_planes import addressing
-from gear_client.data_planes.batch import BufferPool, SampledBatch, column_arrays
+from gear_client.data_planes.batch import BufferPool, Pending, SampledBatch, column_arrays
 from gear_client.data_planes.range_planning import (
     LENGTH,
     REMOTE,
@@ -183,6 +183,10 @@ class RdmaPlane:
         if region is None:
             raise RdmaReadError("the daemon sent a new layout without its RDMA region")
         self.layout, self.region = layout, region
+
+    def start(self, selection: ItemSelection, window: WindowSpec) -> Pending:
+        """The reads complete before this returns (the CPU polls completions); the batch is ready."""
+        return Pending(None, self.fetch(selection, window))
 
     def fetch(self, selection: ItemSelection, window: WindowSpec) -> SampledBatch:
         layout = self.layout

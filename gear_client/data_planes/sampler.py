@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from typing import Any
 
 import grpc
@@ -281,6 +282,98 @@ class PlaneSampler:
         if selection.lease_id in stale:
             return _STALE
         return batch
+
+    def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None,
+                depth: int = 2):
+        """Batches without end, pipelined: the next Select runs while the current batch is gathered.
+
+        Up to ``depth`` batches are in flight (selected and being gathered); each
+        Select also ends the lease of the batch gathered before it (saving a
+        Release call) and says whether that batch was stale, which then is
+        dropped. Anything unusual (a new layout, a reaped session, a failing plane)
+        drains the pipeline and goes through ``sample()``'s recovery. Closing the
+        generator releases the leases still in flight.
+        """
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        while True:
+            with self._lock:
+                if self.closed:
+                    raise SamplerClosedError("this sampler is closed")
+                if self._plane is None and self._session is None:
+                    self._open()
+                pipelined = self._session is not None and getattr(self._plane, "start", None) is not None
+            if not pipelined:
+                yield self.sample(num_samples, window=window, timeout=timeout)
+                continue
+            yield from self._pipeline(num_samples, window, timeout, max(1, depth))
+            yield self.sample(num_samples, window=window, timeout=timeout)  # recovery, then pipeline again
+
+    def _pipeline(self, num_samples: int, window: WindowSpec, timeout: float | None, depth: int):
+        """Select/gather/release in a pipeline until something needs sample()'s recovery."""
+        session, plane = self._session, self._plane
+        if hasattr(plane, "pipelined"):
+            plane.pipelined()
+        ncols = len(self._layout.columns) if self._layout is not None else None
+        in_flight: deque = deque()  # (selection, Pending)
+        try:
+            while True:
+                finished = None
+                if len(in_flight) >= depth:
+                    sel0, pending0 = in_flight.popleft()
+                    finished = (sel0, pending0.wait())
+                release = [finished[0].lease_id] if finished else []
+                try:
+                    with self._lock:
+                        if self.closed:
+                            raise SamplerClosedError("this sampler is closed")
+                        selection, stale = session.select_and_release(num_samples, ncols, timeout, release)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:
+                        return  # session reaped: sample() re-opens
+                    raise errors.from_rpc_error(exc, "sample") from exc
+                if selection.layout is not None or self._layout is None \
+                        or selection.layout_version != self._layout.version:
+                    in_flight.append((selection, None))
+                    if selection.layout is None:
+                        return  # should not happen (the daemon sends a new layout): sample() re-opens
+                    for _, pending in in_flight:  # nothing may still read the old segment
+                        if pending is not None:
+                            pending.wait()
+                    try:
+                        plane.set_layout(selection.layout, selection.region)
+                    except Exception as exc:  # noqa: BLE001 - cannot map the new segment: next best plane
+                        log.warning("%s plane cannot switch to the new layout (%s); falling back", plane.kind, exc)
+                        with self._lock:
+                            self._excluded.add(plane.kind)
+                        return
+                    self._layout = selection.layout
+                    ncols = len(self._layout.columns)
+                    in_flight.pop()
+                try:
+                    in_flight.append((selection, plane.start(selection, window)))
+                except Exception:
+                    in_flight.append((selection, None))
+                    raise
+                if finished:
+                    if finished[0].lease_id in stale:
+                        self.stale_batches += 1
+                    else:
+                        yield finished[1]
+        finally:
+            leases = []
+            for selection, pending in in_flight:
+                if pending is not None:
+                    try:
+                        pending.wait()  # never release a lease while its bytes are still being read
+                    except Exception:  # noqa: BLE001
+                        pass
+                leases.append(selection.lease_id)
+            if leases and not session.closed:
+                try:
+                    session.release(leases)
+                except grpc.RpcError:
+                    pass
 
     @staticmethod
     def _release_quietly(session: PlaneSession, lease_id: int) -> None:

@@ -33,10 +33,29 @@ class ItemSelection:
         return len(self.slots)
 
 
+def _array(tensor: pb.Tensor, dtype: str) -> np.ndarray:
+    arr = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).reshape(tuple(tensor.shape))
+    if arr.dtype != np.dtype(dtype):
+        raise ValueError(f"Select answered {tensor.dtype} where {dtype} was expected")
+    return arr
+
+
 def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSelection:
-    """Arrays of a SelectResponse (``num_columns`` None: taken from the first reference)."""
+    """Arrays of a SelectResponse, packed or per item (``num_columns`` None: from the answer itself)."""
     from gear_client.data_planes.batch import info_arrays
 
+    layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
+    region = response.region if response.HasField("region") else None
+    if response.HasField("slots"):  # packed
+        slots = _array(response.slots, "<i8")
+        lengths = _array(response.lengths, "<i4").astype(np.int64)
+        if lengths.shape[0] != len(slots) or (layout is not None and lengths.shape[1] != len(layout.columns)):
+            raise ValueError("Select answered lengths that do not match its items")
+        infos = (_array(response.keys, "<u8"), _array(response.probabilities, "<f8"),
+                 _array(response.table_sizes, "<i8"), _array(response.priorities, "<f8"),
+                 _array(response.times_sampled, "<i4"))
+        return ItemSelection(slots, _array(response.generations, "<u8"), lengths, infos, int(response.lease_id),
+                             int(response.layout_version), layout, region)
     refs = response.refs
     n = len(refs)
     if response.HasField("layout"):
@@ -49,8 +68,6 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
     if len(flat) != n * num_columns:
         raise ValueError(f"Select answered {len(flat)} lengths for {n} items of {num_columns} columns")
     lengths = np.asarray(flat, dtype=np.int64).reshape(n, num_columns)
-    layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
-    region = response.region if response.HasField("region") else None
     return ItemSelection(slots, generations, lengths, info_arrays(response.info), int(response.lease_id),
                          int(response.layout_version), layout, region)
 
@@ -67,10 +84,18 @@ class PlaneSession:
         self._metadata = metadata
         self.closed = False
 
-    def select(self, num_samples: int, num_columns: int | None, timeout: float | None) -> ItemSelection:
-        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples),
-                                   timeout_ms=int(timeout * 1000) if timeout else 0)
-        return parse_select(self._stub.Select(request, metadata=self._metadata), num_columns)
+    def select(self, num_samples: int, num_columns: int | None, timeout: float | None,
+               release: list[int] | None = None) -> ItemSelection:
+        """Select (packed) and lease ``num_samples`` items; ``release``: leases to end first."""
+        return self.select_and_release(num_samples, num_columns, timeout, release or [])[0]
+
+    def select_and_release(self, num_samples: int, num_columns: int | None, timeout: float | None,
+                           release: list[int]) -> tuple[ItemSelection, set[int]]:
+        """One Select that also ends ``release`` leases; returns (selection, the stale ones of those)."""
+        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
+                                   timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
+        response = self._stub.Select(request, metadata=self._metadata)
+        return parse_select(response, num_columns), set(response.stale_lease_ids)
 
     def release(self, lease_ids: list[int]) -> set[int]:
         """End leases; returns the stale ones."""

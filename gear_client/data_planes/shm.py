@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from gear_client.data_planes.batch import BufferPool, SampledBatch, column_arrays
+from gear_client.data_planes.batch import BufferPool, Pending, SampledBatch, column_arrays
 from gear_client.data_planes.range_planning import (
     LENGTH,
     LOCAL,
@@ -168,6 +169,7 @@ class ShmPlane:
         self.mapping: SegmentMapping | None = None
         self._registration = None
         self._pool = BufferPool()
+        self._worker: ThreadPoolExecutor | None = None
         if layout is not None:
             self.set_layout(layout)
 
@@ -189,34 +191,55 @@ class ShmPlane:
         self.layout, self.mapping, self._registration = layout, mapping, registration
 
     def fetch(self, selection, window: WindowSpec) -> SampledBatch:
+        return self.start(selection, window).wait()
+
+    def start(self, selection, window: WindowSpec) -> Pending:
+        """Begin gathering a selection: a GPU kernel on the current stream, or a copy on a worker thread."""
         layout = self.layout
         n = len(selection)
         windows = resolve_windows(layout, window)
         batch = BatchLayout.build(layout, n, window_steps(windows))
         bounds = window_bounds(selection.lengths, layout, windows)
-        if self._gpu:
-            columns = self._gather_gpu(selection, windows)
-        else:
-            ranges = plan_ranges(layout, selection.slots, bounds[0], bounds[1], batch, bounds[2])
-            out = self._pool.get(batch.nbytes)
-            gather_numpy(self.mapping, selection.slots, bounds, ranges, batch, out)
-            columns = column_arrays(out, layout, batch, n)
         keys, probs, sizes, prios, times = selection.infos
-        return SampledBatch(keys, probs, sizes, prios, times, columns, bounds[1].astype(np.int32),
-                            layout.structure, tuple(c.squeeze for c in layout.columns), plane=self.kind)
+        squeeze = tuple(c.squeeze for c in layout.columns)
 
-    def _gather_gpu(self, selection, windows) -> list[Any]:
+        def done(columns) -> SampledBatch:
+            return SampledBatch(keys, probs, sizes, prios, times, columns, bounds[1].astype(np.int32),
+                                layout.structure, squeeze, plane=self.kind)
+
+        if self._gpu:
+            columns, event = self._gather_gpu(selection, windows)
+            return Pending(lambda: (event.synchronize(), done(columns))[1])
+        ranges = plan_ranges(layout, selection.slots, bounds[0], bounds[1], batch, bounds[2])
+        out = self._pool.get(batch.nbytes)
+
+        def copy() -> SampledBatch:
+            gather_numpy(self.mapping, selection.slots, bounds, ranges, batch, out)
+            return done(column_arrays(out, layout, batch, n))
+
+        if self._worker is None:
+            return Pending(None, copy())
+        future = self._worker.submit(copy)  # NumPy copies release the GIL: the next Select overlaps
+        return Pending(future.result)
+
+    def pipelined(self) -> None:
+        """Gather on a worker thread from now on (start() returns before the copy is done)."""
+        if self._worker is None and not self._gpu:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="gear-shm-gather")
+
+    def _gather_gpu(self, selection, windows) -> tuple[list[Any], Any]:
         import gear_kernels
 
         cp = gear_kernels._backend.require_cupy()
         with cp.cuda.Device(gpu_index(self.device)):
             result = gear_kernels.gather(self.layout, self._registration, selection.slots,
                                          selection.lengths.astype(np.int32), windows)
-            cp.cuda.get_current_stream().synchronize()  # the bytes are in before the lease ends
+            event = cp.cuda.Event(block=False, disable_timing=True)
+            event.record(cp.cuda.get_current_stream())  # the bytes are in when this fires
         columns = []
         for col, arr in zip(self.layout.columns, result.columns, strict=True):
             columns.append(arr.reshape((arr.shape[0], *col.shape)) if col.squeeze else arr)
-        return columns
+        return columns, event
 
     def _unmap(self) -> None:
         if self._registration is not None:
@@ -227,5 +250,8 @@ class ShmPlane:
             self.mapping = None
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         self._unmap()
         self._pool.clear()

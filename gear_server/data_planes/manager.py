@@ -152,6 +152,7 @@ class DataPlaneManager:
         n = int(request.num_samples)
         if n < 1 or n > MAX_SELECT:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_samples ({n}) must be in [1, {MAX_SELECT}]")
+        stale = self.sessions.release(session, request.release_lease_ids) if request.release_lease_ids else []
         table = session.table
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         ended = threading.Event()
@@ -178,7 +179,11 @@ class DataPlaneManager:
         lease_id = self.sessions.add_lease(session, [selection.lease_id], selection.slots, selection.generations)
         if lease_id is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
-        response = build_select_response(selection, lease_id)
+        if request.packed:
+            response = build_packed_select_response(selection, lease_id)
+        else:
+            response = build_select_response(selection, lease_id)
+        response.stale_lease_ids.extend(stale)
         if selection.layout_version != session.layout_version:
             self._send_layout(session, table, response, context)
         return response
@@ -229,3 +234,21 @@ def build_select_response(selection: Any, lease_id: int) -> pb.SelectResponse:
                              selection.times_sampled.tolist(), strict=True):
         infos.add(key=k, probability=p, table_size=s, priority=q, times_sampled=t)
     return response
+
+
+def _tensor(array: np.ndarray, dtype: str) -> pb.Tensor:
+    a = np.ascontiguousarray(array, dtype=np.dtype(dtype))
+    return pb.Tensor(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
+
+
+def build_packed_select_response(selection: Any, lease_id: int) -> pb.SelectResponse:
+    """The packed form: every per-item field as one raw little-endian array."""
+    n = len(selection.slots)
+    return pb.SelectResponse(
+        layout_version=int(selection.layout_version), lease_id=int(lease_id),
+        slots=_tensor(selection.slots, "<i8"), generations=_tensor(selection.generations, "<u8"),
+        lengths=_tensor(np.asarray(selection.lengths).reshape(n, -1), "<i4"),
+        keys=_tensor(selection.keys, "<u8"), probabilities=_tensor(selection.probabilities, "<f8"),
+        table_sizes=_tensor(selection.table_sizes, "<i8"), priorities=_tensor(selection.priorities, "<f8"),
+        times_sampled=_tensor(selection.times_sampled, "<i4"),
+    )

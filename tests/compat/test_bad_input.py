@@ -380,6 +380,14 @@ def _write_episodes_forever(address: str, table: str) -> None:
         episode += 1
 
 
+def _write_episode_item(client) -> None:
+    """One item shaped like the actor's: 3 steps of obs float32[4] and t int32."""
+    with client.trajectory_writer(3) as writer:
+        for t in range(3):
+            writer.append({"obs": np.full(4, t, np.float32), "t": np.int32(t)})
+        writer.create_item("episodes", 1.0, {"obs": writer.history["obs"][-3:], "t": writer.history["t"][-3:]})
+
+
 def _whole(sample) -> bool:
     obs, t = sample.data[0], sample.data[1]
     base = obs[0, 0] - t[0]
@@ -406,7 +414,7 @@ def test_actor_killed_mid_episode_leaves_only_whole_items(server, client):
     bad = [s for s in samples if not _whole(s)]
     assert bad == []
     # The daemon goes on taking inserts from others.
-    client.insert({"obs": np.zeros((3, 4), np.float32), "t": np.arange(3, dtype=np.int32)}, {"episodes": 1.0})
+    _write_episode_item(client)
     assert client.server_info(timeout=PROMPT_S)["episodes"].current_size == size + 1
 
 
@@ -429,7 +437,7 @@ def test_cancelled_insert_stream_leaves_no_partial_item(server, client, seeded):
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.CANCELLED
-    items_before, counters_before = seeded
+    items_before = seeded[0]["items"]
     assert wait_until(lambda: client.server_info(timeout=PROMPT_S)["items"].current_size == 4)
     after = contents(client, "items")
     assert set(after) == set(items_before) | {92}
@@ -438,13 +446,12 @@ def test_cancelled_insert_stream_leaves_no_partial_item(server, client, seeded):
 
 def test_cancelled_blocked_sample_takes_nothing(server, client, seeded):
     stub = raw_stub(server)
-    client.reset("episodes")
     call = stub.Sample(pb.SampleRequest(table="episodes", num_samples=1), timeout=PROMPT_S)
     time.sleep(0.3)
     call.cancel()
     with pytest.raises(grpc.RpcError):
         list(call)
-    client.insert({"obs": np.zeros((3, 4), np.float32), "t": np.arange(3, dtype=np.int32)}, {"episodes": 1.0})
+    _write_episode_item(client)
     time.sleep(0.5)  # a sampler that survived its cancellation would take the item now
     info = client.server_info(timeout=PROMPT_S)["episodes"]
     assert info.rate_limiter_info.sample_stats.completed == 0 and info.current_size == 1

@@ -114,6 +114,7 @@ def test_queue_blocks_inserts_when_full(client):
 
 
 def test_table_info_has_every_reverb_field(client, table_by_name):
+    assert table_by_name["prioritized"].info.signature is None  # no signature configured
     client.insert(np.float32(1.5), {"prioritized": 2.0})
     info = table_by_name["prioritized"].info
     assert info.name == "prioritized"
@@ -124,7 +125,6 @@ def test_table_info_has_every_reverb_field(client, table_by_name):
     assert info.rate_limiter_info.insert_stats.completed == 1
     assert info.rate_limiter_info.sample_stats.completed == 0
     assert info.rate_limiter_info.min_size_to_sample == 1
-    assert info.signature is None
     assert info.current_size == 1
     assert info.num_episodes == 1
     assert info.num_deleted_episodes == 0
@@ -211,6 +211,10 @@ def test_insert_into_a_full_table_evicts_with_the_remover(client):
     # Fifo remover: item 0 went, the sampler (Fifo) now sees item 1 first.
     assert int(sample_one(client, "full_fifo").data[0][0]) == 1
     assert keys.isdisjoint(sampled_keys(client, "full_fifo", 1))
+    for i in range(4, 10):
+        client.insert(np.int64(i), {"full_fifo": 1.0})
+    assert info_of(client, "full_fifo").current_size == 3  # never more than max_size
+    assert int(sample_one(client, "full_fifo").data[0][0]) == 7
 
 
 def test_full_table_may_evict_the_item_just_inserted(client):
@@ -280,3 +284,34 @@ def test_checkpoint_restores_tables_items_priorities_and_counters(tmp_path):
     finally:
         srv.stop()
 
+
+
+@gear_only
+def test_a_half_written_checkpoint_is_never_loaded(tmp_path):
+    """A newer checkpoint without its completion marker (a crash while writing) is skipped."""
+    import shutil
+
+    table = reverb.Table("ckpt", reverb.selectors.Fifo(), reverb.selectors.Fifo(), 10, reverb.rate_limiters.MinSize(1))
+    srv = reverb.Server([table], checkpointer=reverb.checkpointers.DefaultCheckpointer(path=str(tmp_path)))
+    try:
+        c = srv.localhost_client()
+        c.insert(np.float32(1.0), {"ckpt": 1.0})
+        good = c.checkpoint()
+        c.insert(np.float32(2.0), {"ckpt": 1.0})
+        newer = c.checkpoint()
+    finally:
+        srv.stop()
+    # Make the newest checkpoint look half-written: no completion marker, a truncated file.
+    (tmp_path / newer.rsplit("/", 1)[-1] / "COMPLETE").unlink()
+    arrays = sorted((tmp_path / newer.rsplit("/", 1)[-1]).rglob("*.npy"))
+    arrays[0].write_bytes(arrays[0].read_bytes()[:10])
+    shutil.copytree(tmp_path / good.rsplit("/", 1)[-1], tmp_path / ".tmp-ckpt-999999-29991231T000000Z")
+
+    srv = reverb.Server([table.replace()], checkpointer=reverb.checkpointers.DefaultCheckpointer(path=str(tmp_path)))
+    try:
+        c = srv.localhost_client()
+        info = c.server_info(timeout=PROMPT_S)["ckpt"]
+        assert info.current_size == 1
+        assert float(sample_one(c, "ckpt").data[0][0]) == 1.0
+    finally:
+        srv.stop()

@@ -152,3 +152,44 @@ def test_buffer_pool_reuses_only_buffers_nobody_holds():
     c = pool.get(800)
     assert id(c) == a_id  # nobody holds it any more: reused
     assert pool.get(5000).nbytes >= 5000  # too small buffers are not handed out
+
+
+def test_buffer_pool_tracks_mmap_backed_buffers_through_their_views():
+    import mmap
+
+    keep = []
+
+    def allocate(nbytes):
+        mapping = mmap.mmap(-1, nbytes)
+        keep.append(mapping)  # like VerbsConnection, which keeps its registered mappings
+        return np.frombuffer(mapping, dtype=np.uint8)
+
+    pool = BufferPool(allocate)
+    a = pool.get(8192)
+    a_id = id(a)
+    column = a[100:200].view(np.uint16)  # a batch column: its .base is the mmap, not `a`
+    del a
+    assert id(pool.get(8192)) != a_id  # the column still views that memory
+    del column
+    assert id(pool.get(8192)) == a_id
+
+
+def test_batch_buffers_are_page_aligned():
+    from gear_client.data_planes.batch import page_aligned_empty
+
+    for n in (1, 4096, 300_000):
+        assert page_aligned_empty(n).ctypes.data % 4096 == 0 and page_aligned_empty(n).nbytes == n
+
+
+def test_buffer_pool_does_not_hand_out_a_buffer_a_gather_still_writes():
+    pool = BufferPool()
+    first = pool.get(4096)
+
+    def gather_into(buf=first):  # what ShmPlane.start() hands its worker: the buffer only, no arrays yet
+        return buf
+
+    first_id = id(first)
+    del first
+    assert id(pool.get(4096)) != first_id  # the pending gather holds it
+    del gather_into
+    assert id(pool.get(4096)) == first_id

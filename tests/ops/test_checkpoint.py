@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import uuid
 
 import numpy as np
@@ -29,9 +30,14 @@ SELECTORS = {
 
 @pytest.fixture
 def store():
+    """A segment store of its own; the test must leave no segment behind."""
     s = SegmentStore(SHM_DIR, f"ops{uuid.uuid4().hex[:10]}")
     yield s
     s.close()
+    leaked = [name for name in os.listdir(SHM_DIR) if name.startswith(f"gear.{s.instance}.")]
+    for name in leaked:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not leaked, f"segments left behind: {leaked}"
 
 
 def filled_tables(store) -> dict[str, Table]:
@@ -247,3 +253,12 @@ def test_settings():
             CheckpointSettings.from_toml(bad)
     merged = CheckpointSettings.effective(CheckpointSettings(), pb.ServerConfig(checkpoint_dir="/data/ckpt"))
     assert merged.dir == "/data/ckpt"
+
+
+def test_fallback_is_used_only_when_the_directory_has_nothing_good(tmp_path, store):
+    other, old, new = _two_checkpoints(tmp_path / "other", store)
+    empty = Checkpointer(tmp_path / "mine")
+    assert empty.load_latest(fallback=old)[0] == old  # one checkpoint named
+    assert empty.load_latest(fallback=tmp_path / "other")[0] == new  # a checkpoint root: its newest
+    assert empty.load_latest(fallback=tmp_path / "nothing-here") is None
+    assert not (old / REFUSED).exists()  # someone else's checkpoints are never marked

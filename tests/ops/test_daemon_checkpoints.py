@@ -139,15 +139,16 @@ def test_sigterm_writes_a_final_checkpoint_that_restores_every_counter(tmp_path)
         client.mutate_priorities("prio", updates={mutated: 50.0})
         before = client.server_info(timeout=30)
         time.sleep(1.0)  # periodic checkpoints every 0.3 s, keep 2
-        assert len(_checkpoints(tmp_path)) <= 2
         assert daemon.stop(signal.SIGTERM) == 0
         assert any("STOPPING=1" in m for m in daemon.messages)
     finally:
         daemon.close()
     log = daemon.log
     assert "final checkpoint" in "".join(daemon.messages)
-    final = _checkpoints(tmp_path)[-1]
-    assert (final / COMPLETE).exists()
+    complete = [p for p in _checkpoints(tmp_path) if (p / COMPLETE).exists()]
+    assert len(complete) == 2  # keep = 2
+    final = complete[-1]
+    assert int(final.name.split("-")[1]) >= 3  # periodic checkpoints came before the final one
     assert log.index("received SIGTERM") < log.index(f"checkpoint written path={final}"), log
 
     second = DaemonProcess(tmp_path, config, "second")
@@ -173,3 +174,16 @@ def test_sigterm_writes_a_final_checkpoint_that_restores_every_counter(tmp_path)
         assert mutated in seen  # priority 50 against 3..9: missed in 30 draws with probability < 1e-10
     finally:
         second.stop()
+
+
+def test_a_checkpoint_dir_that_cannot_be_created_stops_the_start(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint directory should go")
+    config = tables_toml(f"ops{uuid.uuid4().hex[:8]}") + f'\n[checkpoint]\ndir = "{blocker / "checkpoints"}"\n'
+    daemon = DaemonProcess(tmp_path, config)
+    try:
+        assert daemon.process.wait(60) == 1
+    finally:
+        daemon.close()
+    assert f"checkpoint dir {blocker / 'checkpoints'}" in daemon.log
+    assert not any(m.startswith("READY=1") for m in daemon.messages)

@@ -320,10 +320,12 @@ def test_info_fields(store):
     assert info.rate_limiter_info.num_deletes == 2
     assert info.rate_limiter_info.samples_per_insert == 1.0 and info.rate_limiter_info.min_size_to_sample == 1
     assert info.table_worker_time_ms > 0
-    # learned signature: structure plus per-leaf specs, time dimension unknown
-    assert info.signature.structure == OBS_ACT
-    assert [(leaf.name, leaf.dtype, list(leaf.shape)) for leaf in info.signature.leaves] == [
-        ("act", "<i8", []), ("obs", "<f4", [-1, 2])]
+    # no configured signature: none reported (Reverb's signature=None); the learned layout stays internal
+    assert not info.HasField("signature") and table.signature() is None
+    layout = table.layout()
+    assert layout.structure == OBS_ACT
+    assert [(c.name, c.dtype.str, c.shape, c.squeeze) for c in layout.columns] == [
+        ("act", "<i8", (), True), ("obs", "<f4", (2,), False)]
     table.close()
 
 
