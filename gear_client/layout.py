@@ -119,9 +119,14 @@ class TableLayout:
         """A [capacity, max_length, *shape] array view of one column over a segment buffer.
 
         Slot strides may exceed max_length * step_bytes (alignment padding), so the
-        view is built with explicit strides.
+        view is built with explicit strides. The view holds a buffer export on the
+        mapping (through ``np.frombuffer``), so an ``mmap.close()`` while it lives raises
+        BufferError instead of leaving it dangling (``np.ndarray(buffer=mmap)`` alone
+        would not keep the export).
         """
         col = self.columns[column]
+        if not isinstance(buffer, np.ndarray):
+            buffer = np.frombuffer(buffer, dtype=np.uint8)
         arr = np.ndarray(
             shape=(self.capacity, col.max_length, *col.shape),
             dtype=col.dtype,

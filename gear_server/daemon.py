@@ -183,6 +183,9 @@ class Daemon:
         self.ops.stopping()
         if self.service is not None:
             self.service.stopping()
+            planes = getattr(self.service, "data_planes", None)
+            if planes is not None and hasattr(planes, "shutdown"):
+                planes.shutdown()  # end learner sessions (their blocked Selects return) and RDMA resources
         done = self.server.stop(grace) if self.server is not None else None
         if done is not None and self.ops.checkpointer is not None:
             done.wait(grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked

@@ -72,7 +72,7 @@ class SegmentMapping:
         view = self._slot_views.get(key)
         if view is None:
             col = self.layout.columns[column]
-            view = np.ndarray((self.layout.capacity,), dtype=f"V{steps * col.step_bytes}", buffer=self._mmap,
+            view = np.ndarray((self.layout.capacity,), dtype=f"V{steps * col.step_bytes}", buffer=self.bytes,
                               offset=col.offset + first_step * col.step_bytes, strides=(col.slot_stride,))
             self._slot_views[key] = view
         return view

@@ -67,7 +67,9 @@ class DataPlaneManager:
                 log.exception("lease reaper failed")
 
     def shutdown(self) -> None:
-        """Stop the reaper, close every session (releasing leases) and the RDMA device."""
+        """Stop the reaper, close every session (releasing leases) and the RDMA device. Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._reaper.join(timeout=5)
         self.sessions.close_all()

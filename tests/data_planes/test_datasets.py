@@ -193,3 +193,28 @@ def test_buffer_pool_does_not_hand_out_a_buffer_a_gather_still_writes():
     assert id(pool.get(4096)) != first_id  # the pending gather holds it
     del gather_into
     assert id(pool.get(4096)) == first_id
+
+
+def test_inline_batches_spanning_several_messages_are_assembled_and_windowed():
+    d = start_daemon(table_config("big", 64))
+    try:
+        table = d.tables["big"]
+        fill(table, 30, length=64, dim=1024)  # 256 KiB items: about 8 per SampleResponse
+        fill(table, 4, start=900, length=10, dim=1024)  # and some short ones
+        from gear_client.data_planes.sampler import PlaneSampler
+
+        with PlaneSampler(d.address(), "big", planes=["inline"]) as s:
+            whole = s.sample(40)
+            assert whole.plane == "inline" and check_batch(whole) == 40
+            assert whole.columns[1].shape == (40, 64, 1024)
+            windowed = s.sample(40, window=Window(12, -12, "head"))
+        view = table.layout().column_view(table._segment.buffer, 1)
+        for i, key in enumerate(windowed.keys.tolist()):
+            slot = int(np.flatnonzero(table.meta.key == key)[0])
+            n = int(table.meta.length[slot, 1])
+            k = min(n, 12)
+            assert np.all(windowed.columns[1][i, :12 - k] == 0)
+            assert np.array_equal(windowed.columns[1][i, 12 - k:], view[slot, n - k:n])
+            assert windowed.lengths[i, 1] == k
+    finally:
+        d.stop()

@@ -161,7 +161,7 @@ def _two_checkpoints(tmp_path, store):
     return ckpt, old, new
 
 
-def _restored_keys(states) -> int:
+def _num_items(states) -> int:
     return int(states[0].state["scalars"]["num_items"])
 
 
@@ -180,7 +180,7 @@ def test_corrupted_file_is_refused_and_the_previous_checkpoint_restores(tmp_path
         Checkpointer.load(new)
     with caplog.at_level(logging.ERROR, logger="gear_server.checkpoint"):
         path, states = ckpt.load_latest()
-    assert path == old and _restored_keys(states) == 10
+    assert path == old and _num_items(states) == 10
     assert f"{new}" in caplog.text and "SHA-256" in caplog.text
     assert (new / REFUSED).read_text().startswith(str(new))
     assert ckpt.complete() == [old]  # refused: neither loaded again nor counted by keep
