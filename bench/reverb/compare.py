@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "bench_core.py"
 GOAL = 2.0
-THROUGHPUTS = ("insert_gbps", "sample_b32_gbps", "sample_b256_gbps")
+THROUGHPUTS = ("insert_gbps", "insert_flush8_gbps", "sample_b32_gbps", "sample_b256_gbps")
 LATENCIES = ("mutate_b32_ms_median", "mutate_b256_ms_median")
 
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     gear, reverb = best(runs["gear"]), best(runs["reverb"])
 
     print(f"\nside by side, best of {args.rounds} round(s) each ({gear['machine']}):")
-    print(f"  {'figure':<26}{'gear':>10}{'reverb':>10}{'ratio':>9}  goal")
+    print(f"  {'figure':<30}{'gear':>10}{'reverb':>10}{'ratio':>9}  goal")
     ratios = {}
     for key in THROUGHPUTS + LATENCIES:
         if key in THROUGHPUTS:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = reverb[key] / gear[key]  # > 1: gear is faster
             unit, goal = "ms", "(speed-up; no goal)"
         ratios[key] = ratio
-        print(f"  {key + ' (' + unit + ')':<26}{gear[key]:>10.3f}{reverb[key]:>10.3f}{ratio:>8.2f}x  {goal}")
+        print(f"  {key + ' (' + unit + ')':<30}{gear[key]:>10.3f}{reverb[key]:>10.3f}{ratio:>8.2f}x  {goal}")
     if args.json:
         Path(args.json).write_text(json.dumps({"gear": gear, "reverb": reverb, "ratios": ratios,
                                                "runs": runs}, indent=2))
