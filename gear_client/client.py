@@ -180,18 +180,7 @@ class Client:
 
     def writer(self, max_sequence_length: int, delta_encoded: bool = False, chunk_length: int | None = None,
                max_in_flight_items: int | None = 25):
-        """A legacy ``Writer`` whose items span at most ``max_sequence_length`` steps."""
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length ({max_sequence_length}) must be a positive integer")
-        if chunk_length is None:
-            chunk_length = min(10, max_sequence_length)
-        if chunk_length < 1 or chunk_length > max_sequence_length:
-            raise ValueError(f"chunk_length ({chunk_length}) must be a positive integer le to "
-                             f"max_sequence_length ({max_sequence_length})")
-        if max_in_flight_items is None:
-            max_in_flight_items = 1_000_000
-        if max_in_flight_items < 1:
-            raise ValueError(f"max_in_flight_items ({max_in_flight_items}) must be a positive integer")
+        """A legacy ``Writer`` whose items span at most ``max_sequence_length`` steps (it validates its arguments)."""
         from gear_client.writer import Writer
 
         return Writer(self, max_sequence_length=max_sequence_length, delta_encoded=delta_encoded,
