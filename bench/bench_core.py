@@ -15,6 +15,13 @@ emit_timesteps=False)`` for B = 32 and 256, stacked into numpy arrays; then
 items. Figures are GB/s of payload (10^9 bytes per second) and the latency of
 one mutate_priorities call.
 
+Sampling is measured over the network path (gRPC, the sampled bytes inline in
+the responses), which is the figure compared with Reverb; gear's client is
+kept on it with ``GEAR_DATA_PLANES=inline`` while it is constructed (an
+environment variable, so the Reverb-style calls are the same for both
+backends). For gear only, a second client that may negotiate the shared-memory
+data plane (same host) is measured as an extra row; Reverb has one path.
+
 Reference (DeepMind Reverb 0.14.0 on a 2-core machine): 0.23 GB/s insert,
 0.45-0.5 GB/s sample. gear's goal: at least twice that, side by side.
 """
@@ -39,6 +46,11 @@ STEP_BYTES = OBS_DIM * 4 + 8 + 4
 ITEM_BYTES = STEPS * STEP_BYTES
 REVERB_REFERENCE = {"insert_gbps": 0.23, "sample_gbps": 0.45}
 GOAL_RATIO = 2.0
+BATCHES = (32, 256)
+# Which sample path each client takes: the value of GEAR_DATA_PLANES while it is constructed (gear reads it
+# there; Reverb ignores it). "inline": every sample over gRPC; "shm,rdma": gear's default negotiation.
+NETWORK_PLANES = "inline"
+SHM_PLANES = "shm"
 
 
 def import_backend(backend: str):
@@ -94,6 +106,20 @@ def write_items(client, table: str, num_items: int, pool: list[dict[str, np.ndar
     return time.perf_counter() - start
 
 
+def connect(reverb, address: str, planes: str | None = None):
+    """``reverb.Client(address)``, constructed with ``GEAR_DATA_PLANES=planes`` (None: the default planes)."""
+    saved = os.environ.get("GEAR_DATA_PLANES")
+    try:
+        if planes is not None:
+            os.environ["GEAR_DATA_PLANES"] = planes
+        return reverb.Client(address)
+    finally:
+        if saved is None:
+            os.environ.pop("GEAR_DATA_PLANES", None)
+        else:
+            os.environ["GEAR_DATA_PLANES"] = saved
+
+
 def sample_batches(client, table: str, batch: int, total_items: int) -> tuple[float, int]:
     """Sample batches of ``batch`` items, stacked per column; (seconds, items sampled)."""
     done = 0
@@ -127,7 +153,7 @@ def run(backend: str, num_items: int, sample_items: int, mutate_rounds: int) -> 
     server.start()
     try:
         port = port_queue.get(timeout=180)
-        client = reverb.Client(f"localhost:{port}")
+        client = connect(reverb, f"localhost:{port}", NETWORK_PLANES)
         client.server_info(timeout=60)
         pool = _trajectories(8)
         results: dict[str, Any] = {"backend": backend, "num_items": num_items, "item_bytes": ITEM_BYTES}
@@ -143,15 +169,23 @@ def run(backend: str, num_items: int, sample_items: int, mutate_rounds: int) -> 
         results["insert_flush8_gbps"] = num_items * ITEM_BYTES / seconds / 1e9
         print(f"[{backend}] insert, flush(8) per item: {num_items} items in {seconds:.2f} s", file=sys.stderr)
 
-        for batch in (32, 256):
-            sample_batches(client, "uniform", batch, batch)  # warm-up (connections, data plane)
-            seconds, done = sample_batches(client, "uniform", batch, max(sample_items, batch))
-            results[f"sample_b{batch}_gbps"] = done * ITEM_BYTES / seconds / 1e9
-            print(f"[{backend}] sample B={batch}: {done} items in {seconds:.2f} s", file=sys.stderr)
+        # The network path (the figure compared with Reverb), then, gear only, the shared-memory plane.
+        paths = [("sample", client)]
+        if backend == "gear":
+            paths.append(("sample_shm", connect(reverb, f"localhost:{port}", SHM_PLANES)))
+        for prefix, sampler in paths:
+            for batch in BATCHES:
+                sample_batches(sampler, "uniform", batch, batch)  # warm-up (connections, data plane)
+                seconds, done = sample_batches(sampler, "uniform", batch, max(sample_items, batch))
+                results[f"{prefix}_b{batch}_gbps"] = done * ITEM_BYTES / seconds / 1e9
+                print(f"[{backend}] {prefix} B={batch}: {done} items in {seconds:.2f} s", file=sys.stderr)
+        if backend == "gear":
+            assert client._data_plane("uniform") is None, "the network-path client negotiated a data plane"
+            results["sample_shm_plane"] = paths[1][1]._data_plane("uniform") is not None
 
         # Prioritized table: light items (the reward column only); the latency measured is the update's.
         write_items(client, "prioritized", num_items, pool, columns=("reward",))
-        for batch in (32, 256):
+        for batch in BATCHES:
             mutate_latencies(client, "prioritized", batch, 3)  # warm-up
             lat = mutate_latencies(client, "prioritized", batch, mutate_rounds)
             results[f"mutate_b{batch}_ms_median"] = statistics.median(lat) * 1e3
@@ -176,10 +210,15 @@ def print_results(results: dict[str, Any]) -> None:
     print(f"  insert      {results['insert_gbps']:6.3f} GB/s  ({results['insert_items_per_s']:.0f} items/s; "
           f"Reverb 0.14 reference {ref['insert_gbps']} GB/s, goal >= {GOAL_RATIO * ref['insert_gbps']:.2f})")
     print(f"  insert, flush(block_until_num_items=8) after each item: {results['insert_flush8_gbps']:6.3f} GB/s")
-    for batch in (32, 256):
-        print(f"  sample B={batch:<3} {results[f'sample_b{batch}_gbps']:6.3f} GB/s  (Reverb 0.14 reference "
-              f"{ref['sample_gbps']} GB/s, goal >= {GOAL_RATIO * ref['sample_gbps']:.2f})")
-    for batch in (32, 256):
+    for batch in BATCHES:
+        print(f"  sample B={batch:<3} (network path: gRPC inline) {results[f'sample_b{batch}_gbps']:6.3f} GB/s  "
+              f"(Reverb 0.14 reference {ref['sample_gbps']} GB/s, goal >= {GOAL_RATIO * ref['sample_gbps']:.2f})")
+    if "sample_shm_b32_gbps" in results:
+        note = "" if results.get("sample_shm_plane") else "  [shm plane NOT negotiated: these are inline]"
+        for batch in BATCHES:
+            print(f"  sample B={batch:<3} (shm plane, same host)     {results[f'sample_shm_b{batch}_gbps']:6.3f} "
+                  f"GB/s{note}")
+    for batch in BATCHES:
         print(f"  mutate_priorities of {batch:>3} keys: median {results[f'mutate_b{batch}_ms_median']:.2f} ms, "
               f"p90 {results[f'mutate_b{batch}_ms_p90']:.2f} ms")
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from gear_client import nest
 from gear_client._proto import replay_pb2 as pb
+from gear_client.client import tune_allocator
 from gear_client.errors import DeadlineExceededError, ReverbError, ServiceError, from_rpc_error
 from gear_client.specs import shape_compatible, signature_specs
 
@@ -570,6 +571,9 @@ class _InsertStream:
         self.batch: list | None = None  # pieces of the next message (bytes, or views of column buffers)
         self.batch_bytes = 0
         open_call, self._raw = _open_insert_stream(client)
+        # Every message is a fresh multi-MiB bytes object (the batch joined): keep freed ones in the heap
+        # so the next is not faulted in (and zeroed) page by page. Measured +3-4 % writer throughput.
+        tune_allocator()
         # wait_for_ready: a daemon still starting (or restarting) is waited for, not an error.
         self._call = open_call(self._requests(), wait_for_ready=True)
         self._reader = threading.Thread(target=self._read_acks, name="gear-insert-acks", daemon=True)

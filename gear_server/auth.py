@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from gear_server.config import known_keys
+
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -41,11 +43,8 @@ class AuthSettings:
     @classmethod
     def from_toml(cls, section: Mapping[str, Any] | None) -> AuthSettings:
         """Parse and check the section; ValueError names an unknown key or a bad combination."""
-        section = dict(section or {})
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"[auth]: unknown key(s) {unknown}; known: {sorted(known)}")
+        section = known_keys(section, known, "[auth]")
         for key in ("require_client_cert", "public_health"):
             if key in section and not isinstance(section[key], bool):
                 raise ValueError(f"[auth] {key} must be true or false, got {section[key]!r}")

@@ -38,6 +38,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from gear_client._proto import replay_pb2 as pb
+from gear_server.config import known_keys
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,7 @@ class CheckpointSettings:
 
     @classmethod
     def from_toml(cls, section: Mapping[str, Any] | None) -> CheckpointSettings:
-        section = dict(section or {})
-        fields = set(cls.__dataclass_fields__)
-        unknown = sorted(set(section) - fields)
-        if unknown:
-            raise ValueError(f"[checkpoint]: unknown key(s) {unknown}; known: {sorted(fields)}")
+        section = known_keys(section, cls.__dataclass_fields__, "[checkpoint]")
         for key in ("dir", "fallback_path"):
             if key in section and (not isinstance(section[key], str) or not section[key]):
                 raise ValueError(f"[checkpoint] {key} must be a non-empty path, got {section[key]!r}")

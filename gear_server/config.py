@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib
 import math
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,9 +185,7 @@ def table_config_from_toml(entry: dict[str, Any], where: str = "table") -> pb.Ta
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: name must be a non-empty string")
     where = f"table {name!r}"
-    unknown = sorted(set(entry) - _TABLE_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(_TABLE_KEYS)}")
+    known_keys(entry, _TABLE_KEYS, where)
     max_size = _int(entry, "max_size", None, where)
     if max_size is None:
         raise ConfigError(f"{where}: max_size is required")
@@ -358,10 +357,18 @@ def _require_number(value: Any, where: str) -> float:
     return float(value)
 
 
-def _only(options: dict[str, Any], allowed: set[str], where: str, required: bool = False) -> None:
-    unknown = sorted(set(options) - allowed)
+def known_keys(section: Mapping[str, Any] | None, known: Iterable[str], where: str) -> dict[str, Any]:
+    """A copy of a TOML table (None: empty) after checking it holds only ``known`` keys (ConfigError naming the others)."""
+    section = dict(section or {})
+    known = set(known)
+    unknown = sorted(set(section) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(allowed)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return section
+
+
+def _only(options: dict[str, Any], allowed: set[str], where: str, required: bool = False) -> None:
+    known_keys(options, allowed, where)
     if required:
         missing = sorted(allowed - set(options))
         if missing:

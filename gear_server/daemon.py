@@ -157,6 +157,8 @@ class Daemon:
             self.port = self.bind(self.server)
             self.server.start()
         except BaseException:
+            self._shutdown_data_planes()  # its lease reaper thread is running
+            self._close_tables()
             self._release()
             self._stopped.set()
             raise
@@ -183,26 +185,30 @@ class Daemon:
         self.ops.stopping()
         if self.service is not None:
             self.service.stopping()
-            planes = getattr(self.service, "data_planes", None)
-            if planes is not None and hasattr(planes, "shutdown"):
-                planes.shutdown()  # end learner sessions (their blocked Selects return) and RDMA resources
+        self._shutdown_data_planes()  # end learner sessions (their blocked Selects return) and RDMA resources
         done = self.server.stop(grace) if self.server is not None else None
         if done is not None and self.ops.checkpointer is not None:
             done.wait(grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
         self.ops.final_checkpoint()
+        self._close_tables()
+        if done is not None:
+            done.wait(grace + 5.0)
+        self._release()
+        self.ops.stopped()
+        log.info("stopped in %.2f s", time.monotonic() - started)
+
+    def _shutdown_data_planes(self) -> None:
+        planes = self.service.data_planes if self.service is not None else None
+        if planes is not None and hasattr(planes, "shutdown"):
+            planes.shutdown()
+
+    def _close_tables(self) -> None:
+        """Close every table: blocked calls end with TableClosedError, segments are released."""
         for table in self.tables.values():
             try:
                 table.close()
             except Exception:  # noqa: BLE001 (keep closing the others)
                 log.exception("closing table '%s' failed", getattr(table, "name", "?"))
-        if done is not None:
-            done.wait(grace + 5.0)
-        planes = self.service.data_planes if self.service is not None else None
-        if planes is not None and hasattr(planes, "shutdown"):
-            planes.shutdown()
-        self._release()
-        self.ops.stopped()
-        log.info("stopped in %.2f s", time.monotonic() - started)
 
     def _release(self) -> None:
         if self.store is not None:

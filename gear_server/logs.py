@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gear_server.config import known_keys
+
 log = logging.getLogger("gear_server")
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -37,10 +39,7 @@ class LoggingSettings:
 
     @classmethod
     def from_toml(cls, section: Mapping[str, Any] | None) -> LoggingSettings:
-        section = dict(section or {})
-        unknown = sorted(set(section) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"[logging]: unknown key(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        section = known_keys(section, cls.__dataclass_fields__, "[logging]")
         level = str(section.get("level", cls.level)).upper()
         if level not in LEVELS:
             raise ValueError(f"[logging] level must be one of {LEVELS}, got {section.get('level')!r}")

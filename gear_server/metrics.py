@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from gear_server.config import known_keys
+
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -44,10 +46,7 @@ class MetricsSettings:
         """A present section turns metrics on unless it says ``enabled = false``."""
         if section is None:
             return cls()
-        section = dict(section)
-        unknown = sorted(set(section) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"[metrics]: unknown key(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        section = known_keys(section, cls.__dataclass_fields__, "[metrics]")
         enabled = section.get("enabled", True)
         bind = section.get("bind", cls.bind)
         port = section.get("port", cls.port)

@@ -26,6 +26,7 @@ import itertools
 import math
 import threading
 import time
+from collections.abc import Callable
 
 from gear_client._proto import replay_pb2 as pb
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
@@ -116,35 +117,7 @@ class RateLimiter:
 
         ``abandoned()`` true (checked at every wake-up, see ``wake_all``) ends the wait with CallCancelled.
         """
-        event = self.insert_stats.start()
-        blocked = False
-        try:
-            while True:
-                if self.cancelled:
-                    raise TableClosedError("table closed while an insert waited on the rate limiter")
-                if abandoned is not None and abandoned():
-                    blocked = None
-                    raise CallCancelled("the insert was cancelled while it waited on the rate limiter")
-                if self.can_insert(1):
-                    break
-                blocked = True
-                self._insert_waiters += 1
-                try:
-                    in_time = _wait(self._can_insert_cv, deadline)
-                finally:
-                    self._insert_waiters -= 1
-                if not in_time:
-                    if self.cancelled:
-                        continue
-                    if self.can_insert(1):
-                        break
-                    raise RateLimiterTimeout(
-                        "Rate Limiter: Timeout exceeded before the right to insert was acquired.")
-        finally:
-            if blocked is None:  # cancelled by its caller: not a completed call
-                self.insert_stats.discard(event)
-            else:
-                self.insert_stats.finish(event, blocked)
+        self._await("insert", lambda: self.can_insert(1), deadline, abandoned)
         self.pending_inserts += 1
 
     def await_sample(self, deadline: float | None, ready=None, abandoned=None) -> None:
@@ -152,37 +125,46 @@ class RateLimiter:
 
         ``abandoned()`` true (checked at every wake-up, see ``wake_all``) ends the wait with CallCancelled.
         """
-        event = self.sample_stats.start()
-        blocked = False
+        self._await("sample", lambda: self.can_sample(1) and (ready is None or ready()), deadline, abandoned)
+
+    def _await(self, what: str, allowed: Callable[[], bool], deadline: float | None, abandoned) -> None:
+        """Wait (lock held) until ``allowed()``; ``what`` ("insert" or "sample") picks the condition
+        variable, waiter count and stats. TableClosedError, CallCancelled or RateLimiterTimeout end it."""
+        cv = self._can_insert_cv if what == "insert" else self._can_sample_cv
+        stats = self.insert_stats if what == "insert" else self.sample_stats
+        waiters = f"_{what}_waiters"
+        event = stats.start()
+        blocked: bool | None = False
         try:
             while True:
                 if self.cancelled:
-                    raise TableClosedError("table closed while a sample waited on the rate limiter")
+                    raise TableClosedError(f"table closed while a{'n' if what == 'insert' else ''} {what} waited "
+                                           "on the rate limiter")
                 if abandoned is not None and abandoned():
                     blocked = None
-                    raise CallCancelled("the sample was cancelled while it waited on the rate limiter")
-                if self.can_sample(1) and (ready is None or ready()):
+                    raise CallCancelled(f"the {what} was cancelled while it waited on the rate limiter")
+                if allowed():
                     break
                 blocked = True
-                self._sample_waiters += 1
+                setattr(self, waiters, getattr(self, waiters) + 1)
                 try:
-                    in_time = _wait(self._can_sample_cv, deadline)
+                    in_time = _wait(cv, deadline)
                 finally:
-                    self._sample_waiters -= 1
+                    setattr(self, waiters, getattr(self, waiters) - 1)
                 if not in_time:
                     if self.cancelled:
                         continue
-                    if self.can_sample(1) and (ready is None or ready()):
+                    if allowed():
                         break
                     raise RateLimiterTimeout(
-                        "Rate Limiter: Timeout exceeded before the right to sample was acquired.")
+                        f"Rate Limiter: Timeout exceeded before the right to {what} was acquired.")
         finally:
             # A wait whose caller went away is forgotten; any other wait (timed out included)
             # adds to the limited count and wait time when it was blocked.
             if blocked is None:
-                self.sample_stats.discard(event)
+                stats.discard(event)
             else:
-                self.sample_stats.finish(event, blocked)
+                stats.finish(event, blocked)
 
     # ------------------------------------------------------------ counters
     def insert_committed(self) -> None:

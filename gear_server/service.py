@@ -16,6 +16,7 @@ table slots into the message, so a sampled byte is copied once in Python.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -43,6 +44,8 @@ MAX_ITEMS_PER_SAMPLE_MESSAGE = 256
 MAX_STRUCTURE_DEPTH = 64
 
 _ALLOWED_KINDS = frozenset("biufcSU")
+# A segment that cannot be created or grown (full tmpfs, no memory): RESOURCE_EXHAUSTED.
+_EXHAUSTED_ERRNOS = frozenset((errno.ENOSPC, errno.ENOMEM, errno.EFBIG))
 
 
 class BadRequest(ValueError):
@@ -270,6 +273,9 @@ class ReplayService:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error) or "table closed: the daemon is stopping")
         if isinstance(error, (ValueError, TypeError)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if isinstance(error, MemoryError) or (isinstance(error, OSError) and error.errno in _EXHAUSTED_ERRNOS):
+            log.warning("out of memory or shared-memory space: %s", error)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the daemon is out of memory: {error}")
         raise error
 
     # -------------------------------------------------------------- inserts
@@ -340,6 +346,8 @@ class ReplayService:
             selected = time.perf_counter()
             try:
                 message = encode_selection(table, selection)
+            except Exception as e:  # noqa: BLE001 (e.g. the table closed under the call)
+                self._abort_for(e, context)
             finally:
                 table.release(selection.lease_id)
             remaining -= len(selection.keys)

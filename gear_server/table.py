@@ -748,12 +748,7 @@ class Table:
 
         Non-squeezed columns give ``[sum(lengths), *shape]``; squeezed ones ``[n, *shape]``.
         """
-        with self._lock:
-            self._check_open()
-            if selection.lease_id not in self._leases:
-                raise ValueError(f"lease {selection.lease_id} is not held on table '{self.name}'")
-            views = self._views
-            specs = self._specs
+        views, specs = self._leased_views(selection)
         return _gather(views, specs, selection.slots, selection.lengths)
 
     def slot_views(self, selection: Selection) -> list[list[np.ndarray]]:
@@ -762,12 +757,7 @@ class Table:
         Valid while the selection's lease is held (a leased slot is never rewritten);
         joining them (e.g. ``b"".join``) gives the same bytes as ``read``.
         """
-        with self._lock:
-            self._check_open()
-            if selection.lease_id not in self._leases:
-                raise ValueError(f"lease {selection.lease_id} is not held on table '{self.name}'")
-            views = self._views
-            specs = self._specs
+        views, specs = self._leased_views(selection)
         slots = selection.slots.tolist()
         out = []
         for c, spec in enumerate(specs):
@@ -777,6 +767,18 @@ class Table:
             else:
                 out.append([view[s, :ln] for s, ln in zip(slots, selection.lengths[:, c].tolist(), strict=True)])
         return out
+
+    def _leased_views(self, selection: Selection) -> tuple[list[np.ndarray], list[_ColumnSpec]]:
+        """The column views and specs to read ``selection`` from, once its lease is confirmed held.
+
+        Read outside the lock: leased slots are never rewritten, and each view holds an
+        export of its mapping, so a segment replaced meanwhile (growth) stays mapped.
+        """
+        with self._lock:
+            self._check_open()
+            if selection.lease_id not in self._leases:
+                raise ValueError(f"lease {selection.lease_id} is not held on table '{self.name}'")
+            return self._views, self._specs
 
     def release(self, lease_id: int) -> None:
         """End a lease (unknown or already released ids are ignored)."""
@@ -918,13 +920,14 @@ class Table:
                     lengths.append(max(int(self.config.initial_max_length), prep.lengths[c], 1))
             structure = pb.Structure()
             structure.CopyFrom(self._signature.structure if self._signature is not None else prep.structure)
+            # the segment first: if it cannot be made (e.g. ENOSPC), the table keeps its old layout
+            self._build_segment(self.capacity, lengths, copy_from=None, specs=specs, structure=structure)
             self._set_specs(specs)
             self._structure = structure
             if self.meta.length.shape[1] != len(specs):
                 meta = ItemMetadata(self.capacity, len(specs))
                 meta.generation[:] = self.meta.generation  # (slot, generation) stays unique across layouts
                 self.meta = meta
-            self._build_segment(self.capacity, lengths, copy_from=None)
             self._layout_epoch += 1
         finally:
             self._end_exclusive()
@@ -940,22 +943,31 @@ class Table:
             return None
         return [cur if ln <= cur else max(ln, 2 * cur) for ln, cur in zip(lengths, current, strict=True)]
 
-    def _build_segment(self, capacity: int, lengths: list[int], copy_from: tuple | None) -> None:
+    def _build_segment(self, capacity: int, lengths: list[int], copy_from: tuple | None,
+                       specs: list[_ColumnSpec] | None = None, structure: pb.Structure | None = None) -> None:
+        """Create the next layout version's segment (``specs``/``structure``: the current ones unless
+        given), copy ``copy_from``'s items into it and switch to it. On failure nothing changes."""
+        specs = self._specs if specs is None else specs
+        structure = self._structure if structure is None else structure
         version = self._layout_version + 1
-        columns = [(s.name, s.dtype, s.step_shape, lengths[c], s.squeeze) for c, s in enumerate(self._specs)]
+        columns = [(s.name, s.dtype, s.step_shape, lengths[c], s.squeeze) for c, s in enumerate(specs)]
         path = self._store.segment_path(self.name, version)
-        layout = TableLayout.build(self.name, path, capacity, columns, version=version, structure=self._structure)
+        layout = TableLayout.build(self.name, path, capacity, columns, version=version, structure=structure)
         segment = self._store.create(self.name, version, layout.segment_size)
-        views = [layout.column_view(segment.buffer, c) for c in range(len(columns))]
-        if copy_from is not None:
-            old_layout, old_views, old_segment = copy_from
-            for c, (old_col, new_col) in enumerate(zip(old_layout.columns, layout.columns, strict=True)):
-                if old_col.slot_stride == new_col.slot_stride:  # same slots, more of them: one memcpy
-                    nbytes = old_col.slot_stride * old_layout.capacity
-                    dst = np.frombuffer(segment.buffer, np.uint8, nbytes, new_col.offset)
-                    dst[:] = np.frombuffer(old_segment.buffer, np.uint8, nbytes, old_col.offset)
-                else:
-                    views[c][: old_layout.capacity, : old_col.max_length] = old_views[c]
+        try:
+            views = [layout.column_view(segment.buffer, c) for c in range(len(columns))]
+            if copy_from is not None:
+                old_layout, old_views, old_segment = copy_from
+                for c, (old_col, new_col) in enumerate(zip(old_layout.columns, layout.columns, strict=True)):
+                    if old_col.slot_stride == new_col.slot_stride:  # same slots, more of them: one memcpy
+                        nbytes = old_col.slot_stride * old_layout.capacity
+                        dst = np.frombuffer(segment.buffer, np.uint8, nbytes, new_col.offset)
+                        dst[:] = np.frombuffer(old_segment.buffer, np.uint8, nbytes, old_col.offset)
+                    else:
+                        views[c][: old_layout.capacity, : old_col.max_length] = old_views[c]
+        except BaseException:
+            self._store.release(segment)
+            raise
         old_segment = self._segment
         self._layout, self._segment, self._views = layout, segment, views
         self._max_lengths = [c.max_length for c in layout.columns]

@@ -382,3 +382,54 @@ def test_stopping_the_daemon_ends_blocked_calls_and_unlinks_its_segments():
         assert daemon.wait(0)
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_a_daemon_that_cannot_bind_leaves_no_thread_or_segment():
+    import socket
+
+    shm_dir = f"/dev/shm/gear-test-{uuid.uuid4().hex[:10]}"
+    os.makedirs(shm_dir)
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            config = pb.ServerConfig(bind_address="127.0.0.1", port=taken.getsockname()[1], shm_dir=shm_dir,
+                                     instance_name="nobind", tables=[table_config("t")])
+            daemon = Daemon(config)
+            with pytest.raises(OSError, match="cannot bind"):
+                daemon.start()
+        assert daemon.wait(0) and os.listdir(shm_dir) == []
+        assert daemon.tables and all(table.closed for table in daemon.tables.values())
+        planes = daemon.service.data_planes
+        assert planes is None or not planes._reaper.is_alive()
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_out_of_shared_memory_is_resource_exhausted_and_the_daemon_serves_on(stub, daemon, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(daemon.store, "create", full)
+    odd = np.arange(10, dtype=np.int16).reshape(2, 5)  # a layout no table has: needs a new segment
+    e = rpc_error(insert, stub, simple_insert(1, "uniform", odd))
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "No space left" in e.details()
+    assert size(stub, "uniform") == 0
+    monkeypatch.undo()
+    assert insert(stub, simple_insert(1, "uniform", odd)) == [1]
+
+
+def test_a_table_error_while_encoding_a_sample_maps_to_its_status_and_releases_the_lease(stub, daemon,
+                                                                                          monkeypatch):
+    from gear_server.errors import TableClosedError
+
+    table = daemon.tables["uniform"]
+    insert(stub, simple_insert(1, "uniform", np.zeros((2, 3), np.float32)))
+
+    def closed(selection):
+        raise TableClosedError("table 'uniform' is closed")
+
+    monkeypatch.setattr(table, "slot_views", closed)
+    e = rpc_error(stub.Sample, pb.SampleRequest(table="uniform", num_samples=1), timeout=PROMPT_S)
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and "closed" in e.details()
+    assert table.active_leases() == 0

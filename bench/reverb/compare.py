@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "bench_core.py"
 GOAL = 2.0
 THROUGHPUTS = ("insert_gbps", "insert_flush8_gbps", "sample_b32_gbps", "sample_b256_gbps")
+# gear only (Reverb has one sample path): the shared-memory data plane on the same host; no goal.
+GEAR_ONLY = ("sample_shm_b32_gbps", "sample_shm_b256_gbps")
+LABELS = {"sample_b32_gbps": "sample B=32, network path", "sample_b256_gbps": "sample B=256, network path",
+          "sample_shm_b32_gbps": "sample B=32, shm plane", "sample_shm_b256_gbps": "sample B=256, shm plane"}
 LATENCIES = ("mutate_b32_ms_median", "mutate_b256_ms_median")
 
 
@@ -42,8 +46,9 @@ def run_one(python: str, backend: str, extra: list[str]) -> dict:
 
 def best(runs: list[dict]) -> dict:
     out = dict(runs[0])
-    for key in THROUGHPUTS:
-        out[key] = max(r[key] for r in runs)
+    for key in THROUGHPUTS + GEAR_ONLY:
+        if key in out:
+            out[key] = max(r[key] for r in runs)
     for key in LATENCIES:
         out[key] = min(r[key] for r in runs)
     return out
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reverb-python", default=str(ROOT / ".venv-reverb" / "bin" / "python"))
     parser.add_argument("--gear-python", default=sys.executable)
-    parser.add_argument("--rounds", type=int, default=2, help="runs per backend (best figure kept)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per backend (best figure kept)")
     parser.add_argument("--json", help="write both backends' best figures and the ratios here")
     args, extra = parser.parse_known_args(argv)
 
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     gear, reverb = best(runs["gear"]), best(runs["reverb"])
 
     print(f"\nside by side, best of {args.rounds} round(s) each ({gear['machine']}):")
-    print(f"  {'figure':<30}{'gear':>10}{'reverb':>10}{'ratio':>9}  goal")
+    print(f"  {'figure':<40}{'gear':>10}{'reverb':>10}{'ratio':>9}  goal")
     ratios = {}
     for key in THROUGHPUTS + LATENCIES:
         if key in THROUGHPUTS:
@@ -75,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             ratio = reverb[key] / gear[key]  # > 1: gear is faster
             unit, goal = "ms", "(speed-up; no goal)"
         ratios[key] = ratio
-        print(f"  {key + ' (' + unit + ')':<30}{gear[key]:>10.3f}{reverb[key]:>10.3f}{ratio:>8.2f}x  {goal}")
+        label = f"{LABELS.get(key, key)} ({unit})"
+        print(f"  {label:<40}{gear[key]:>10.3f}{reverb[key]:>10.3f}{ratio:>8.2f}x  {goal}")
+    for key in GEAR_ONLY:
+        if key in gear:
+            label = f"{LABELS[key]} (GB/s)"
+            print(f"  {label:<40}{gear[key]:>10.3f}{'-':>10}{'-':>9}   (same host; Reverb has one path)")
     if args.json:
         Path(args.json).write_text(json.dumps({"gear": gear, "reverb": reverb, "ratios": ratios,
                                                "runs": runs}, indent=2))

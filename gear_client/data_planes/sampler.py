@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -27,15 +28,21 @@ from gear_client._proto import replay_pb2_grpc as pb_grpc
 from gear_client.data_planes import negotiation
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
-from gear_client.data_planes.session import PlaneSession
+from gear_client.data_planes.session import PendingSelect, PlaneSession
 from gear_client.layout import TableLayout
 
 log = logging.getLogger(__name__)
 
 MAX_STALE_RETRIES = 32
 MAX_REOPENS = 8  # re-negotiations for one batch before giving up
+# Pipelined batches(): gathers running before the oldest is waited for, and Selects sent ahead.
+PIPELINE_DEPTH = 3
+PIPELINE_PREFETCH = 2
+DRAIN_WAIT_S = 1.0  # how long closing a pipeline waits for its Selects in flight before cancelling them
 _STALE = object()
 _REOPENED = object()
+_DROP = object()
+_RETURN = object()
 
 
 class StaleBatchError(RuntimeError):
@@ -284,13 +291,16 @@ class PlaneSampler:
         return batch
 
     def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None,
-                depth: int = 2):
-        """Batches without end, pipelined: the next Select runs while the current batch is gathered.
+                depth: int = PIPELINE_DEPTH, prefetch: int = PIPELINE_PREFETCH):
+        """Batches without end, pipelined: Selects and gathers of later batches overlap the current one.
 
-        Up to ``depth`` batches are in flight (selected and being gathered); each
-        Select also ends the lease of the batch gathered before it (saving a
-        Release call) and says whether that batch was stale, which then is
-        dropped. Anything unusual (a new layout, a reaped session, a failing plane)
+        Up to ``prefetch`` Selects are on their way (the daemon picks the next
+        batches while this learner gathers), and the oldest gather is waited for
+        once ``depth`` are running (on a GPU each runs on its own stream). A
+        gathered batch's lease is ended by the next Select sent, whose answer says
+        whether that batch was stale (then it is dropped); a batch is handed out
+        only after that verdict, so it is complete and intact. Anything unusual (a
+        reaped session, a failing plane, a layout the pipeline cannot follow)
         drains the pipeline and goes through ``sample()``'s recovery. Closing the
         generator releases the leases still in flight.
         """
@@ -306,74 +316,147 @@ class PlaneSampler:
             if not pipelined:
                 yield self.sample(num_samples, window=window, timeout=timeout)
                 continue
-            yield from self._pipeline(num_samples, window, timeout, max(1, depth))
+            yield from self._pipeline(num_samples, window, timeout, max(1, depth), max(1, prefetch))
             yield self.sample(num_samples, window=window, timeout=timeout)  # recovery, then pipeline again
 
-    def _pipeline(self, num_samples: int, window: WindowSpec, timeout: float | None, depth: int):
-        """Select/gather/release in a pipeline until something needs sample()'s recovery."""
+    def _pipeline(self, num_samples: int, window: WindowSpec, timeout: float | None, depth: int, prefetch: int):
+        """Select/gather/release in a pipeline until something needs sample()'s recovery.
+
+        Four queues, oldest first: Selects sent (``selects``), gathers running
+        (``gathering``), gathered batches whose lease went out with a later Select
+        and wait for its verdict (``verdicts``), and leases to end with the next
+        Select (``to_release``).
+        """
         session, plane = self._session, self._plane
         if hasattr(plane, "pipelined"):
             plane.pipelined()
         ncols = len(self._layout.columns) if self._layout is not None else None
-        in_flight: deque = deque()  # (selection, Pending)
+        selects: deque[PendingSelect] = deque()
+        gathering: deque = deque()  # (selection, Pending)
+        verdicts: dict[int, SampledBatch] = {}  # lease -> its batch (in the order the leases were sent)
+        to_release: list[int] = []
+        ready: deque[SampledBatch] = deque()
         try:
             while True:
-                finished = None
-                if len(in_flight) >= depth:
-                    sel0, pending0 = in_flight.popleft()
-                    finished = (sel0, pending0.wait())
-                release = [finished[0].lease_id] if finished else []
+                with self._lock:
+                    if self.closed:
+                        raise SamplerClosedError("this sampler is closed")
+                    while len(selects) < prefetch:
+                        selects.append(session.select_async(num_samples, ncols, timeout, to_release))
+                        to_release = []
+                pending = selects.popleft()
                 try:
-                    with self._lock:
-                        if self.closed:
-                            raise SamplerClosedError("this sampler is closed")
-                        selection, stale = session.select_and_release(num_samples, ncols, timeout, release)
+                    selection, stale = pending.result()
                 except grpc.RpcError as exc:
-                    if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:
+                    to_release.extend(pending.released)  # their verdicts are lost: the batches are dropped
+                    for lease in pending.released:
+                        verdicts.pop(lease, None)
+                    if self.closed:
+                        raise SamplerClosedError("the sampler was closed while sampling") from exc
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
                         return  # session reaped: sample() re-opens
                     raise errors.from_rpc_error(exc, "sample") from exc
-                if selection.layout is not None or self._layout is None \
-                        or selection.layout_version != self._layout.version:
-                    in_flight.append((selection, None))
-                    if selection.layout is None:
-                        return  # should not happen (the daemon sends a new layout): sample() re-opens
-                    for _, pending in in_flight:  # nothing may still read the old segment
-                        if pending is not None:
-                            pending.wait()
-                    try:
-                        plane.set_layout(selection.layout, selection.region)
-                    except Exception as exc:  # noqa: BLE001 - cannot map the new segment: next best plane
-                        log.warning("%s plane cannot switch to the new layout (%s); falling back", plane.kind, exc)
-                        with self._lock:
-                            self._excluded.add(plane.kind)
-                        return
-                    self._layout = selection.layout
-                    ncols = len(self._layout.columns)
-                    in_flight.pop()
-                try:
-                    in_flight.append((selection, plane.start(selection, window)))
-                except Exception:
-                    in_flight.append((selection, None))
-                    raise
-                if finished:
-                    if finished[0].lease_id in stale:
+                for lease in pending.released:
+                    batch = verdicts.pop(lease, None)
+                    if batch is None:
+                        continue  # a selection dropped without gathering
+                    if lease in stale:
                         self.stale_batches += 1
                     else:
-                        yield finished[1]
-        finally:
-            leases = []
-            for selection, pending in in_flight:
-                if pending is not None:
+                        ready.append(batch)
+                action = self._follow_layout(selection, selects, gathering, verdicts, to_release, plane)
+                if action is _RETURN:
+                    to_release.append(selection.lease_id)
+                    return
+                if action is _DROP:
+                    to_release.append(selection.lease_id)
+                else:
+                    ncols = len(self._layout.columns)
                     try:
-                        pending.wait()  # never release a lease while its bytes are still being read
-                    except Exception:  # noqa: BLE001
-                        pass
-                leases.append(selection.lease_id)
-            if leases and not session.closed:
+                        gathering.append((selection, plane.start(selection, window)))
+                    except Exception:
+                        to_release.append(selection.lease_id)
+                        raise
+                while len(gathering) >= depth:
+                    done, gather = gathering.popleft()
+                    batch = gather.wait()
+                    verdicts[done.lease_id] = batch
+                    to_release.append(done.lease_id)
+                while ready:
+                    yield ready.popleft()
+        finally:
+            self._drain(session, selects, gathering, list(verdicts) + to_release)
+
+    def _follow_layout(self, selection, selects: deque, gathering: deque, verdicts: dict, to_release: list,
+                       plane) -> Any:
+        """Map the segment a selection addresses: None (gather it), _DROP (release it unread) or _RETURN.
+
+        Selects in flight can be answered in another order than they were sent,
+        so the one that brings a new layout may come after others that already
+        address it (then the layout is taken from the answers in flight) or
+        before older ones (those are dropped).
+        """
+        current = self._layout.version if self._layout is not None else None
+        version = selection.layout_version
+        layout = selection.layout
+        if layout is None and current is not None and version == current:
+            return None
+        if current is not None and version < current:
+            return _DROP  # selected before the table grew, answered after a Select that saw the growth
+        if layout is not None and current is not None and layout.version == current:
+            return None  # brought again (out of order): already mapped
+        region = selection.region
+        if layout is None:  # a newer segment, whose layout another answer in flight brings
+            for other in selects:
                 try:
-                    session.release(leases)
+                    later, _ = other.result()
                 except grpc.RpcError:
-                    pass
+                    break
+                if later.layout is not None and later.layout.version == version:
+                    layout, region = later.layout, later.region
+                    break
+            if layout is None:
+                return _RETURN  # should not happen: sample() re-opens
+        for done, gather in gathering:  # nothing may still read the old segment
+            verdicts[done.lease_id] = gather.wait()
+            to_release.append(done.lease_id)
+        gathering.clear()
+        try:
+            plane.set_layout(layout, region)
+        except Exception as exc:  # noqa: BLE001 - cannot map the new segment: next best plane
+            log.warning("%s plane cannot switch to the new layout (%s); falling back", plane.kind, exc)
+            with self._lock:
+                self._excluded.add(plane.kind)
+            return _RETURN
+        self._layout = layout
+        return None
+
+    def _drain(self, session: PlaneSession, selects: deque, gathering: deque, leases: list[int]) -> None:
+        """End a pipeline: wait for its gathers, collect or cancel its Selects, release every lease."""
+        for selection, gather in gathering:
+            try:
+                gather.wait()  # never release a lease while its bytes are still being read
+            except Exception:  # noqa: BLE001
+                pass
+            leases.append(selection.lease_id)
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        for pending in selects:
+            leases.extend(pending.released)  # their Select may never reach the daemon
+            try:
+                try:
+                    selection, _ = pending.result(timeout=max(0.0, deadline - time.monotonic()))
+                except grpc.FutureTimeoutError:
+                    if pending.cancel():
+                        continue  # the daemon ends a cancelled Select (and releases what it selected)
+                    selection, _ = pending.result()
+                leases.append(selection.lease_id)
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                pass
+        if leases and not session.closed:
+            try:
+                session.release(leases)
+            except grpc.RpcError:
+                pass
 
     @staticmethod
     def _release_quietly(session: PlaneSession, lease_id: int) -> None:

@@ -72,6 +72,34 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
                          int(response.layout_version), layout, region)
 
 
+class PendingSelect:
+    """A Select on its way: ``result()`` waits for (selection, stale leases of those it released).
+
+    A learner keeps a few in flight so that the daemon selects the next batches
+    while the current ones are gathered; the round trip leaves the critical path.
+    """
+
+    def __init__(self, future, num_columns: int | None, released: list[int]):
+        self._future = future
+        self._num_columns = num_columns
+        self.released = released  # the leases this Select ends (their verdicts come with its answer)
+        self._answer: tuple[ItemSelection, set[int]] | None = None
+
+    def done(self) -> bool:
+        return self._answer is not None or self._future.done()
+
+    def result(self, timeout: float | None = None) -> tuple[ItemSelection, set[int]]:
+        """(selection, stale ones of ``released``); grpc.RpcError as the call ended with (or on timeout)."""
+        if self._answer is None:
+            response = self._future.result(timeout=timeout)
+            self._answer = parse_select(response, self._num_columns), set(response.stale_lease_ids)
+        return self._answer
+
+    def cancel(self) -> bool:
+        """Cancel the call; False when it had already ended (its lease then has to be released)."""
+        return self._future.cancel()
+
+
 class PlaneSession:
     """The control-plane half of a shm or rdma session."""
 
@@ -96,6 +124,13 @@ class PlaneSession:
                                    timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
         response = self._stub.Select(request, metadata=self._metadata)
         return parse_select(response, num_columns), set(response.stale_lease_ids)
+
+    def select_async(self, num_samples: int, num_columns: int | None, timeout: float | None,
+                     release: list[int]) -> PendingSelect:
+        """Send a Select (which also ends ``release`` leases) without waiting for its answer."""
+        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
+                                   timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
+        return PendingSelect(self._stub.Select.future(request, metadata=self._metadata), num_columns, release)
 
     def release(self, lease_ids: list[int]) -> set[int]:
         """End leases; returns the stale ones."""

@@ -34,6 +34,11 @@ from gear_client.layout import TableLayout
 
 # Item bytes from which one memcpy per item beats a vectorised take (measured on x86-64).
 MEMCPY_ITEM_BYTES = 16 << 10
+# GPU: CUDA streams the gathers of successive batches take turns on, so that one batch's inputs
+# upload and its kernel starts while the previous kernel still runs. They are blocking streams
+# (ordered with the legacy default stream, as a learner's own work usually is), so a batch's memory
+# the learner dropped is never rewritten while work it queued before still reads it.
+GPU_STREAMS = 4
 # Segments up to this size are mapped with MAP_POPULATE (page-table entries made at open, about
 # 0.1 s per GiB, instead of minor faults during the first batches).
 POPULATE_MAX_BYTES = 8 << 30
@@ -170,6 +175,8 @@ class ShmPlane:
         self._registration = None
         self._pool = BufferPool()
         self._worker: ThreadPoolExecutor | None = None
+        self._streams: list[Any] = []  # GPU: batches' gathers take turns on these
+        self._launches = 0
         if layout is not None:
             self.set_layout(layout)
 
@@ -198,7 +205,6 @@ class ShmPlane:
         layout = self.layout
         n = len(selection)
         windows = resolve_windows(layout, window)
-        batch = BatchLayout.build(layout, n, window_steps(windows))
         bounds = window_bounds(selection.lengths, layout, windows)
         keys, probs, sizes, prios, times = selection.infos
         squeeze = tuple(c.squeeze for c in layout.columns)
@@ -209,7 +215,8 @@ class ShmPlane:
 
         if self._gpu:
             columns, event = self._gather_gpu(selection, windows)
-            return Pending(lambda: (event.synchronize(), done(columns))[1])
+            return Pending(lambda: (event.synchronize(), done(columns))[1])  # waits for this batch alone
+        batch = BatchLayout.build(layout, n, window_steps(windows))
         ranges = plan_ranges(layout, selection.slots, bounds[0], bounds[1], batch, bounds[2])
         out = self._pool.get(batch.nbytes)
 
@@ -232,10 +239,15 @@ class ShmPlane:
 
         cp = gear_kernels._backend.require_cupy()
         with cp.cuda.Device(gpu_index(self.device)):
-            result = gear_kernels.gather(self.layout, self._registration, selection.slots,
-                                         selection.lengths.astype(np.int32), windows)
-            event = cp.cuda.Event(block=False, disable_timing=True)
-            event.record(cp.cuda.get_current_stream())  # the bytes are in when this fires
+            if not self._streams:
+                self._streams = [cp.cuda.Stream() for _ in range(GPU_STREAMS)]
+            stream = self._streams[self._launches % GPU_STREAMS]
+            self._launches += 1
+            with stream:  # inputs, output and kernel of this batch in its own stream's order
+                result = gear_kernels.gather(self.layout, self._registration, selection.slots,
+                                             selection.lengths.astype(np.int32), windows)
+                event = cp.cuda.Event(block=False, disable_timing=True)
+                event.record(stream)  # the bytes are in when this fires
         columns = []
         for col, arr in zip(self.layout.columns, result.columns, strict=True):
             columns.append(arr.reshape((arr.shape[0], *col.shape)) if col.squeeze else arr)
@@ -253,5 +265,8 @@ class ShmPlane:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        for stream in self._streams:
+            stream.synchronize()  # no gather may still read the segment when it is unregistered
+        self._streams = []
         self._unmap()
         self._pool.clear()

@@ -181,6 +181,9 @@ class DataPlaneManager:
         lease_id = self.sessions.add_lease(session, [selection.lease_id], selection.slots, selection.generations)
         if lease_id is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
+        if ended.is_set():  # cancelled meanwhile (a learner closing its pipeline): nobody will release it
+            self.sessions.release(session, [lease_id])
+            context.abort(grpc.StatusCode.CANCELLED, "select cancelled (call ended)")
         if request.packed:
             response = build_packed_select_response(selection, lease_id)
         else:

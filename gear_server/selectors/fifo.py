@@ -1,8 +1,9 @@
 """First in, first out: the oldest inserted item (reported probability 1.0).
 
 A priority update does not move an item. Items are kept in insertion order in a
-deque with lazy deletion: a deleted item's entry stays until it reaches an end
-(or a compaction drops it), so insert, delete and a pick are O(1) amortised.
+deque with lazy deletion (``LazyDeletion``): a deleted item's entry stays until
+it reaches an end (or a compaction drops it), so insert, delete and a pick are
+O(1) amortised.
 """
 
 from __future__ import annotations
@@ -12,34 +13,23 @@ from collections import deque
 import numpy as np
 
 from gear_client._proto import replay_pb2 as pb
-from gear_server.selectors.base import Selector
+from gear_server.selectors.lazy import LazyDeletion
 
 
-class InsertionOrder(Selector):
+class InsertionOrder(LazyDeletion):
     """Items in insertion order; subclasses pick the oldest or the newest."""
 
-    _COMPACT_SLACK = 1024
+    _entries: deque[tuple[int, int]]  # (insert seq, slot), seq increasing
 
-    def __init__(self, capacity: int, options: pb.SelectorOptions):
-        super().__init__(capacity, options)
-        self._queue: deque[tuple[int, int]] = deque()  # (insert seq, slot), seq increasing
-        self._live = [-1] * capacity  # slot -> insert seq of its live entry, -1 when absent
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def resize(self, capacity: int) -> None:
-        self._live.extend([-1] * (capacity - self.capacity))
-        self.capacity = int(capacity)
+    def _container(self, entries: list[tuple]) -> deque:
+        return deque(entries)
 
     def insert(self, slot: int, priority: float, seq: int) -> None:
-        if self._live[slot] != -1:
-            raise KeyError(f"slot {slot} already tracked")
-        if self._queue and seq <= self._queue[-1][0]:
+        self._check_tracked(slot, False)
+        if self._entries and seq <= self._entries[-1][0]:
             raise ValueError("insertion sequence numbers must increase")
         self._live[slot] = seq
-        self._queue.append((seq, slot))
+        self._entries.append((seq, slot))
         self._n += 1
 
     def update(self, slot: int, priority: float, seq: int) -> None:
@@ -48,41 +38,21 @@ class InsertionOrder(Selector):
     def update_many(self, slots, priorities, seqs) -> None:
         pass
 
-    def delete(self, slot: int) -> None:
-        if self._live[slot] == -1:
-            raise KeyError(f"slot {slot} not tracked")
-        self._live[slot] = -1
-        self._n -= 1
-        if len(self._queue) > 2 * self._n + self._COMPACT_SLACK:
-            live = self._live
-            self._queue = deque(e for e in self._queue if live[e[1]] == e[0])
-
-    def clear(self) -> None:
-        for _, slot in self._queue:
-            self._live[slot] = -1
-        self._queue.clear()
-        self._n = 0
-
     def restore(self, slots, priorities, insert_seq, update_seq, state) -> None:
-        self.clear()
         slots = np.asarray(slots, np.int64)
         seqs = np.asarray(insert_seq, np.int64)
         order = np.argsort(seqs, kind="stable")
-        ordered_seqs, ordered_slots = seqs[order].tolist(), slots[order].tolist()
-        for slot, seq in zip(ordered_slots, ordered_seqs, strict=True):
-            self._live[slot] = seq
-        self._queue = deque(zip(ordered_seqs, ordered_slots, strict=True))
-        self._n = len(ordered_slots)
+        self._load(zip(seqs[order].tolist(), slots[order].tolist(), strict=True))
 
     def oldest(self) -> int:
-        q, live = self._queue, self._live
-        while live[q[0][1]] != q[0][0]:
+        q = self._entries
+        while not self._is_live(q[0]):
             q.popleft()
         return q[0][1]
 
     def newest(self) -> int:
-        q, live = self._queue, self._live
-        while live[q[-1][1]] != q[-1][0]:
+        q = self._entries
+        while not self._is_live(q[-1]):
             q.pop()
         return q[-1][1]
 

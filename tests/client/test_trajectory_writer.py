@@ -576,3 +576,53 @@ def test_every_fixed_size_dtype_travels_raw(server, client, dtype):
     assert chunk.data.dtype == values.dtype.str and list(chunk.data.shape) == [3, 2]
     np.testing.assert_array_equal(server.servicer.items[0].data, values)
     w.close()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "fortran", "read_only", "big_endian"])
+def test_large_rows_of_any_memory_layout_are_stored_exactly(server, client, layout):
+    # Rows (4 KiB) stored from views of any layout, by the fast path and by the
+    # partial-step path, read back exactly after many buffer compactions.
+    def row(i: int) -> np.ndarray:
+        base = (np.arange(256, dtype=np.float64) + 1000 * i).astype(">f4" if layout == "big_endian" else np.float32)
+        if layout == "strided":
+            return np.repeat(base, 2)[::2].reshape(16, 16)
+        if layout == "fortran":
+            return np.asfortranarray(base.reshape(16, 16))
+        if layout == "read_only":
+            base.setflags(write=False)
+        return base.reshape(16, 16)
+
+    w = TrajectoryWriter(client, 4)
+    expected = []
+    for i in range(1500):  # far more rows than one buffer holds (1 MiB of spare rows / 1 KiB)
+        x = row(i)
+        expected.append(np.array(x))
+        w.append({"x": x, "r": np.int64(i)})
+        if i % 300 == 299:
+            w.append({"x": row(-i)}, partial_step=True)  # the slow path stores a row too
+            expected.append(np.array(row(-i)))
+            w.append({"r": np.int64(-i)})
+            w.create_item("t", 1.0, {"x": w.history["x"][-4:], "r": w.history["r"][-4:]})
+    w.flush()
+    items = server.servicer.items
+    assert len(items) == 5
+    for n, item in enumerate(items):
+        end = 300 * (n + 1) + n + 1
+        np.testing.assert_array_equal(item.data["x"], np.stack(expected[end - 4:end]))
+    x_chunks = [c for c in server.servicer.chunk_messages() if list(c.data.shape)[1:] == [16, 16]]
+    assert x_chunks and all(c.data.dtype == expected[0].dtype.str for c in x_chunks)
+    np.testing.assert_array_equal(w.history["x"][-1].numpy(), expected[-1])
+    w.close()
+
+
+def test_opening_the_stream_keeps_large_buffers_in_the_heap(server, client, monkeypatch):
+    # Each message is a fresh multi-MiB bytes object; the writer tunes glibc once so they reuse heap pages.
+    calls = []
+    monkeypatch.setattr("gear_client.trajectory_writer.tune_allocator", lambda: calls.append(1) or True)
+    with TrajectoryWriter(client, 1) as w:
+        assert calls == []  # nothing before the stream opens
+        w.append({"r": np.int64(1)})
+        w.create_item("t", 1.0, w.history["r"][-1:])
+        w.create_item("t", 1.0, w.history["r"][-1:])
+    assert calls == [1]  # once per stream
+    assert len(server.servicer.items) == 2

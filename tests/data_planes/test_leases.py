@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gear_client.data_planes import sampler as sampler_module
 from gear_client.data_planes import shm as shm_module
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_server.data_planes.sessions import SessionRegistry, generations_unchanged
@@ -280,6 +281,8 @@ def test_pipelined_batches_follow_a_growing_table_without_resampling():
             stream.close()
         info = t.info()
         completed = info.rate_limiter_info.sample_stats.completed
-        assert 14 <= completed <= 14 + 2 * 2  # delivered, or in flight (depth 2) when closed: none thrown away
+        # delivered, or in flight when closed (gathers running, Selects sent ahead, batches awaiting their
+        # verdict): none thrown away
+        assert 14 <= completed <= 14 + 2 * (sampler_module.PIPELINE_DEPTH - 1 + 2 * sampler_module.PIPELINE_PREFETCH)
     finally:
         d.stop()

@@ -313,3 +313,37 @@ def test_client_sees_no_signature_and_a_relearned_table_serves_new_items(planes)
         assert client.server_info(timeout=10)["free"].current_size == 2
     finally:
         srv.stop()
+
+
+# --------------------------------------------------------------------------- segment creation fails
+
+
+def test_failed_segment_creation_leaves_the_table_as_it_was(store, monkeypatch):
+    """A segment that cannot be made (full tmpfs) refuses that insert; the table keeps its layout and serves."""
+    table = make_table(store, sampler="fifo", remover="fifo", max_size=4, spare_slots=1)
+    real_create = store.create
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "create", full)
+    with pytest.raises(OSError):  # the first item cannot fix a layout
+        table.insert(item(1))
+    assert table.layout() is None and len(table) == 0
+    monkeypatch.setattr(store, "create", real_create)
+    table.insert(item(1))
+    table.reset()
+    layout = table.layout()
+    monkeypatch.setattr(store, "create", full)
+    with pytest.raises(OSError):  # relearning a different layout fails
+        table.insert(leaf_item(2, np.zeros((2, 3), np.int16)))
+    with pytest.raises(OSError):  # growing longer slots fails
+        table.insert(item(3, length=50))
+    assert table.layout() == layout and len(table) == 0
+    table.insert(item(4))  # the old layout still takes items
+    sel, (act, obs) = read_one(table)
+    check_item_data(4, act[0], obs)
+    monkeypatch.setattr(store, "create", real_create)
+    with pytest.raises(ValueError, match="structure does not match"):  # it holds an item of the old layout
+        table.insert(leaf_item(5, np.zeros((2, 3), np.int16)))
+    table.close()

@@ -142,7 +142,7 @@ def test_insertion_order_compacts_stale_entries():
     for i in range(1, 2999):  # delete the middle: entries go stale without reaching an end
         sel.delete(i)
     assert len(sel) == 2
-    assert len(sel._queue) <= 2 * len(sel) + sel._COMPACT_SLACK
+    assert len(sel._entries) <= 2 * len(sel) + sel._COMPACT_SLACK
     assert sel.pick_one(rng()) == 0
     sel.delete(0)
     assert sel.pick_one(rng()) == 2999
@@ -172,7 +172,7 @@ def test_heap_lazy_entries_compact():
     sel.insert(0, 1.0, 1)
     for i in range(5000):
         sel.update(0, float(i % 7), i + 2)
-    assert len(sel._heap) <= 2 * len(sel) + sel._COMPACT_SLACK
+    assert len(sel._entries) <= 2 * len(sel) + sel._COMPACT_SLACK
     assert sel.pick_one(rng()) == 0
 
 
