@@ -8,9 +8,11 @@ bytes moved into the learner's memory, Release), in GB/s of item payload:
 
 * inline   PlaneSampler(planes=["inline"]): bytes in gRPC messages, padded batch
 * shm      PlaneSampler(planes=["shm"]): segment mapped, NumPy gather into host memory;
-           "pipelined": PlaneSampler.batches(), the next Select (which also ends the previous
-           lease) overlapping the current gather, as TrajectoryDataset runs it
+           "pipelined": PlaneSampler.batches(): Selects sent ahead (the daemon picks the next batches
+           while this one is gathered), several gathers running, each lease ended by a later Select
 * shm-gpu  the same with device="cuda": the gather kernel reads the mapped segment into GPU memory
+           (each batch on its own CUDA stream); "deeper": 3 Selects ahead and 4 gathers instead of 2 and 3;
+           then where one batch's time goes (Select round trip, host launch, gather on the GPU)
 * dataset  TrajectoryDataset over the best plane, prefetching (what a training loop sees)
 * client.sample  Reverb's API (items stacked per column), which now picks the best plane itself
 * rdma     real verbs when a device exists; otherwise only the software overhead per batch
@@ -156,12 +158,13 @@ def h2d_ceiling() -> float | None:
 
 # ------------------------------------------------------------------- planes --
 
-def bench_sampler(address: str, batch: int, seconds: float, pipelined: bool = False, **kwargs) -> dict[str, Any]:
-    """Batches from PlaneSampler: one by one (Select, gather, Release) or pipelined (batches())."""
+def bench_sampler(address: str, batch: int, seconds: float, pipelined: bool = False, pipeline: dict | None = None,
+                  **kwargs) -> dict[str, Any]:
+    """Batches from PlaneSampler: one by one (Select, gather, Release) or pipelined (batches(**pipeline))."""
     from gear_client.data_planes import PlaneSampler
 
     with PlaneSampler(address, "uniform", **kwargs) as sampler:
-        stream = sampler.batches(batch) if pipelined else None
+        stream = sampler.batches(batch, **(pipeline or {})) if pipelined else None
 
         def one() -> int:
             b = next(stream) if stream is not None else sampler.sample(batch)
@@ -173,6 +176,51 @@ def bench_sampler(address: str, batch: int, seconds: float, pipelined: bool = Fa
             stream.close()
         return {"gbps": gbps(elapsed, items), "plane": sampler.kind, "batches_per_s": items / batch / elapsed,
                 "stale_batches": sampler.stale_batches}
+
+
+def gpu_breakdown(address: str, batch: int, reps: int = 40) -> dict[str, Any]:
+    """Where a GPU batch's time goes: Select round trip, host time to launch a gather, the gather on the GPU.
+
+    Medians over ``reps`` batches taken one at a time (nothing overlapping); the
+    GPU's part is timed on a second gather of each selection. The
+    pipeline hides the round trip when the host's share (launch, waits, handing
+    out) stays under the GPU's time per batch.
+    """
+    import statistics
+
+    import cupy as cp
+    import gear_kernels
+
+    from gear_client.data_planes import PlaneSampler
+
+    rtt, launch, gpu = [], [], []
+    with PlaneSampler(address, "uniform", planes=["shm"], device="cuda") as sampler:
+        sampler.sample(batch)  # compiles the kernel, creates the plane's streams
+        session, plane = sampler._session, sampler._plane
+        ncols = len(sampler._layout.columns)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            selection = session.select(batch, ncols, None)
+            t1 = time.perf_counter()
+            pending = plane.start(selection, None)
+            t2 = time.perf_counter()
+            pending.wait()
+            # the same gather again, prepared beforehand, so that the events time the GPU's work alone
+            plan = gear_kernels.GatherPlan(plane.layout, plane._registration, selection.slots,
+                                           selection.lengths.astype(np.int32))
+            stream = cp.cuda.get_current_stream()
+            stream.synchronize()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            plan.launch()
+            end.record(stream)
+            end.synchronize()
+            session.release([selection.lease_id])
+            rtt.append(t1 - t0)
+            launch.append(t2 - t1)
+            gpu.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return {"select_rtt_ms": statistics.median(rtt) * 1e3, "launch_host_ms": statistics.median(launch) * 1e3,
+            "gather_gpu_ms": statistics.median(gpu) * 1e3}
 
 
 def bench_dataset(address: str, batch: int, seconds: float, device=None) -> dict[str, Any]:
@@ -317,6 +365,9 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
                 planes["shm-gpu"] = bench_sampler(address, batch, seconds, planes=["shm"], device="cuda")
                 planes["shm-gpu pipelined"] = bench_sampler(address, batch, seconds, True, planes=["shm"],
                                                             device="cuda")
+                planes["shm-gpu deeper"] = bench_sampler(address, batch, seconds, True, {"depth": 4, "prefetch": 3},
+                                                         planes=["shm"], device="cuda")
+                results.setdefault("gpu_breakdown", {})[key] = gpu_breakdown(address, batch)
             planes["dataset"] = bench_dataset(address, batch, seconds, device="cuda" if gpu else None)
             planes["client.sample"] = bench_client_sample(client, batch, seconds)
             real = bench_rdma_real(address, batch, seconds)
@@ -372,6 +423,12 @@ def print_results(r: dict[str, Any]) -> None:
                       f"(software ceiling {fig['software_ceiling_gbps']:.1f} GB/s; no bytes moved)")
             else:
                 print(f"    {name:<14} not run: {fig.get('not_run')}")
+        split = (r.get("gpu_breakdown") or {}).get(key)
+        if split:
+            piped = planes["shm-gpu pipelined"]
+            print(f"    shm-gpu time per batch: Select round trip {split['select_rtt_ms']:.2f} ms, host launch "
+                  f"{split['launch_host_ms']:.2f} ms, gather on the GPU {split['gather_gpu_ms']:.2f} ms; "
+                  f"pipelined {1e3 / piped['batches_per_s']:.2f} ms/batch")
         rv = (r.get("reverb") or {}).get(key)
         shm = max(planes["shm"]["gbps"], planes["shm pipelined"]["gbps"])
         if rv:

@@ -302,7 +302,9 @@ class PlaneSampler:
         only after that verdict, so it is complete and intact. Anything unusual (a
         reaped session, a failing plane, a layout the pipeline cannot follow)
         drains the pipeline and goes through ``sample()``'s recovery. Closing the
-        generator releases the leases still in flight.
+        generator releases the leases still in flight. A stale batch means leases
+        outlive the daemon's lease timeout: the pipeline then narrows to one Select
+        ahead and two gathers.
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -362,6 +364,8 @@ class PlaneSampler:
                         continue  # a selection dropped without gathering
                     if lease in stale:
                         self.stale_batches += 1
+                        # leases outlive the lease timeout: hold fewer at a time (as many as unpipelined + 1)
+                        depth, prefetch = min(depth, 2), 1
                     else:
                         ready.append(batch)
                 action = self._follow_layout(selection, selects, gathering, verdicts, to_release, plane)
