@@ -189,7 +189,7 @@ def gpu_breakdown(address: str, batch: int, reps: int = 40) -> dict[str, Any]:
     import statistics
 
     import cupy as cp
-    import gear_kernels
+    from gear_kernels.gather import GatherPlan
 
     from gear_client.data_planes import PlaneSampler
 
@@ -206,8 +206,7 @@ def gpu_breakdown(address: str, batch: int, reps: int = 40) -> dict[str, Any]:
             t2 = time.perf_counter()
             pending.wait()
             # the same gather again, prepared beforehand, so that the events time the GPU's work alone
-            plan = gear_kernels.GatherPlan(plane.layout, plane._registration, selection.slots,
-                                           selection.lengths.astype(np.int32))
+            plan = GatherPlan(plane.layout, plane._registration, selection.slots, selection.lengths.astype(np.int32))
             stream = cp.cuda.get_current_stream()
             stream.synchronize()
             start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -357,7 +356,7 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
         print(f"wrote {NUM_ITEMS} items in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for batch in batches:
             key = f"b{batch}"
-            planes: dict[str, Any] = {}
+            planes: dict[str, Any] = Figures(batch)
             planes["inline"] = bench_sampler(address, batch, seconds, planes=["inline"])
             planes["shm"] = bench_sampler(address, batch, seconds, planes=["shm"])
             planes["shm pipelined"] = bench_sampler(address, batch, seconds, True, planes=["shm"])
@@ -367,7 +366,10 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
                                                             device="cuda")
                 planes["shm-gpu deeper"] = bench_sampler(address, batch, seconds, True, {"depth": 4, "prefetch": 3},
                                                          planes=["shm"], device="cuda")
-                results.setdefault("gpu_breakdown", {})[key] = gpu_breakdown(address, batch)
+                try:  # a diagnostic: never lose the figures above to it
+                    results.setdefault("gpu_breakdown", {})[key] = gpu_breakdown(address, batch)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"B={batch}: GPU time breakdown failed: {exc!r}", file=sys.stderr)
             planes["dataset"] = bench_dataset(address, batch, seconds, device="cuda" if gpu else None)
             planes["client.sample"] = bench_client_sample(client, batch, seconds)
             real = bench_rdma_real(address, batch, seconds)
@@ -385,6 +387,19 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
     if with_reverb:
         results["reverb"] = reverb_side_by_side(batches, seconds)
     return results
+
+
+class Figures(dict):
+    """One batch size's figures, each also printed to stderr as it is measured (a later failure loses none)."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+
+    def __setitem__(self, name: str, fig: dict[str, Any]) -> None:
+        super().__setitem__(name, fig)
+        if "gbps" in fig:
+            print(f"B={self.batch} {name}: {fig['gbps']:.2f} GB/s", file=sys.stderr, flush=True)
 
 
 def machine() -> str:
