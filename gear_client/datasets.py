@@ -29,7 +29,8 @@ from gear_client.replay_sample import ReplaySample
 __all__ = ["TrajectoryDataset", "TimestepDataset"]
 
 _END = object()
-# A blocked sample wakes this often (seconds) to notice close() on planes that cannot be interrupted.
+# The producer on a full queue and the consumer on an empty one wake this often (seconds) to notice close()
+# or a producer that died.
 _POLL_S = 1.0
 
 

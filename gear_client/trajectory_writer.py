@@ -677,8 +677,15 @@ class _InsertStream:
             self._reader.join(timeout)
 
     def abort(self) -> None:
-        """Cancel at once (after an error, or when the writer is dropped)."""
+        """Cancel at once (after an error, or when the writer is dropped); once only.
+
+        A writer dropped at interpreter exit is aborted twice (by its finalizer at
+        exit, then by ``__del__``), and gRPC calls made while the interpreter
+        finalizes can block forever.
+        """
         with self._cond:
+            if self._closing:
+                return  # aborted already, or cancelled by close()
             self._closing = True
         self.batch = None
         self._queue.put(None)

@@ -115,11 +115,14 @@ class BufferPool:
     a reference to the buffer or to an object of its ``.base`` chain (an owning
     ndarray, the mmap of a registered RDMA buffer). A buffer any of whose chain
     has more references than right after its allocation is in use and is never
-    handed out again.
+    handed out again. Past ``max_buffers`` the oldest is forgotten: ``forget``
+    (the RDMA plane deregisters it) is called with it, and its memory is freed
+    once the learner drops its batch.
     """
 
-    def __init__(self, allocate=None, max_buffers: int = 8):
+    def __init__(self, allocate=None, max_buffers: int = 8, forget=None):
         self._allocate = allocate or page_aligned_empty
+        self._forget = forget
         self._buffers: list[list] = []  # [buffer, reference counts of its .base chain when idle]
         self.max_buffers = max_buffers
 
@@ -145,7 +148,9 @@ class BufferPool:
         self._buffers[-1][1] = self._references(len(self._buffers) - 1)
         buf = self._buffers[-1][0]
         if len(self._buffers) > self.max_buffers:
-            del self._buffers[0]  # forgotten by the pool; freed when the user drops it
+            forgotten = self._buffers.pop(0)[0]  # freed when the user drops it
+            if self._forget is not None:
+                self._forget(forgotten)
         return buf
 
     def clear(self) -> None:

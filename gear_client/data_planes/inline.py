@@ -124,8 +124,14 @@ class InlinePlane:
         finally:
             self._call = None
         layout = self.layout
+        longest = lengths.max(axis=0).tolist()
+        if layout is not None and len(layout.columns) == len(parts) and any(
+                n > col.max_length for n, col in zip(longest, layout.columns, strict=True)):
+            # the table grew since the session opened: widen the batches for good, never cut an item short
+            longest = [max(n, col.max_length) for n, col in zip(longest, layout.columns, strict=True)]
+            layout = self.layout = layout_from_batch(self.table, first, longest)
         if layout is None or len(layout.columns) != len(parts):
-            layout = layout_from_batch(self.table, first, lengths.max(axis=0).tolist())
+            layout = layout_from_batch(self.table, first, longest)
         n = lengths.shape[0]
         nbytes = BatchLayout.build(layout, n, window_steps(resolve_windows(layout, window))).nbytes
         out = self._pool.get(nbytes)

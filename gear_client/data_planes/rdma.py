@@ -137,7 +137,7 @@ class VerbsConnection:
         self.queue_pairs.connect(remote, av, addressing.path_mtu(self.port, remote), self.rd_atomic)
 
     def allocate(self, nbytes: int) -> np.ndarray:
-        """A page-aligned receive buffer registered with the device (kept until close)."""
+        """A page-aligned receive buffer registered with the device (until ``free`` or close)."""
         mapping = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
         buf = np.frombuffer(mapping, dtype=np.uint8)
         region = self.device.register(int(buf.ctypes.data), len(buf))
@@ -146,6 +146,12 @@ class VerbsConnection:
 
     def region_of(self, buf: np.ndarray):
         return self._regions[int(buf.ctypes.data)][1]
+
+    def free(self, buf: np.ndarray) -> None:
+        """Deregister a receive buffer no READ targets any more; its memory lives on while a batch views it."""
+        _, region = self._regions.pop(int(buf.ctypes.data), (None, None))
+        if region is not None:
+            self.device.deregister(region)
 
     def post_reads(self, queue: int, wr_id: int, ranges: np.ndarray, local, remote: pb.RdmaRegion) -> None:
         self.queue_pairs.post_reads(queue, wr_id, ranges, local, remote)
@@ -175,7 +181,8 @@ class RdmaPlane:
         self.max_in_flight = max(1, connection.max_send_wr // self.chain_length)
         self.balance_chunk = balance_chunk
         self.timeout_s = timeout_s
-        self._pool = BufferPool(allocate=connection.allocate)
+        # Reads into a buffer end within fetch(): one the pool forgets can be deregistered at once.
+        self._pool = BufferPool(allocate=connection.allocate, forget=getattr(connection, "free", None))
         self.last_plan: ReadPlan | None = None
 
     def set_layout(self, layout: TableLayout, region: pb.RdmaRegion | None) -> None:

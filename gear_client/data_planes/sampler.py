@@ -14,9 +14,12 @@ and releases the lease. It recovers by itself from what happens in a long run:
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -43,6 +46,25 @@ _STALE = object()
 _REOPENED = object()
 _DROP = object()
 _RETURN = object()
+
+
+_open_samplers: weakref.WeakSet[PlaneSampler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_samplers() -> None:
+    """Close the samplers still open at exit, while gRPC's threads still run.
+
+    Once the interpreter finalizes, gRPC's threads are frozen, possibly holding
+    a call's lock, and a call still in flight (a Select sent ahead by a pipeline
+    nobody closed) could block the exit forever. Closing the session ends those
+    Selects and frees the leases at once, not after their timeout.
+    """
+    for sampler in list(_open_samplers):
+        try:
+            sampler.close()
+        except Exception:  # noqa: BLE001 - the daemon reaps the session anyway
+            log.debug("closing a sampler at exit failed", exc_info=True)
 
 
 class StaleBatchError(RuntimeError):
@@ -100,6 +122,7 @@ class PlaneSampler:
         self.stale_batches = 0  # batches dropped because their lease came back stale
         self.reopens = 0
         self.closed = False
+        _open_samplers.add(self)
 
     # ----------------------------------------------------------------- opening
     @property
@@ -299,10 +322,11 @@ class PlaneSampler:
         once ``depth`` are running (on a GPU each runs on its own stream). A
         gathered batch's lease is ended by the next Select sent, whose answer says
         whether that batch was stale (then it is dropped); a batch is handed out
-        only after that verdict, so it is complete and intact. Anything unusual (a
-        reaped session, a failing plane, a layout the pipeline cannot follow)
-        drains the pipeline and goes through ``sample()``'s recovery. Closing the
-        generator releases the leases still in flight. A stale batch means leases
+        only after that verdict, so it is complete and intact. A reaped session or
+        a layout the pipeline cannot follow (a new segment that cannot be mapped)
+        drains the pipeline and goes through ``sample()``'s recovery; an error
+        while gathering ends the generator with that error. Closing the generator
+        releases the leases still in flight. A stale batch means leases
         outlive the daemon's lease timeout: the pipeline then narrows to one Select
         ahead and two gathers.
         """
@@ -368,24 +392,29 @@ class PlaneSampler:
                         depth, prefetch = min(depth, 2), 1
                     else:
                         ready.append(batch)
-                action = self._follow_layout(selection, selects, gathering, verdicts, to_release, plane)
-                if action is _RETURN:
-                    to_release.append(selection.lease_id)
-                    return
-                if action is _DROP:
-                    to_release.append(selection.lease_id)
-                else:
-                    ncols = len(self._layout.columns)
-                    try:
-                        gathering.append((selection, plane.start(selection, window)))
-                    except Exception:
+                with self._lock:  # close() frees the plane under this lock: never start a gather on a freed one
+                    if self.closed:
                         to_release.append(selection.lease_id)
-                        raise
+                        raise SamplerClosedError("the sampler was closed while sampling")
+                    action = self._follow_layout(selection, selects, gathering, verdicts, to_release, plane)
+                    if action is _RETURN:
+                        to_release.append(selection.lease_id)
+                        return
+                    if action is _DROP:
+                        to_release.append(selection.lease_id)
+                    else:
+                        ncols = len(self._layout.columns)
+                        try:
+                            gathering.append((selection, plane.start(selection, window)))
+                        except Exception:
+                            to_release.append(selection.lease_id)
+                            raise
                 while len(gathering) >= depth:
                     done, gather = gathering.popleft()
-                    batch = gather.wait()
-                    verdicts[done.lease_id] = batch
-                    to_release.append(done.lease_id)
+                    try:
+                        verdicts[done.lease_id] = gather.wait()
+                    finally:
+                        to_release.append(done.lease_id)  # the gather ended (a failed one too): the lease may go
                 while ready:
                     yield ready.popleft()
         finally:
@@ -437,6 +466,8 @@ class PlaneSampler:
 
     def _drain(self, session: PlaneSession, selects: deque, gathering: deque, leases: list[int]) -> None:
         """End a pipeline: wait for its gathers, collect or cancel its Selects, release every lease."""
+        if sys.is_finalizing():
+            return  # a generator dropped at exit: its sampler was closed at exit already (_close_open_samplers)
         for selection, gather in gathering:
             try:
                 gather.wait()  # never release a lease while its bytes are still being read
@@ -474,6 +505,7 @@ class PlaneSampler:
         if self.closed:
             return
         self.closed = True
+        _open_samplers.discard(self)
         session, plane = self._session, self._plane
         if session is not None:
             session.close()  # the daemon ends a Select blocked on this session

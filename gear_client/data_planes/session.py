@@ -120,17 +120,18 @@ class PlaneSession:
     def select_and_release(self, num_samples: int, num_columns: int | None, timeout: float | None,
                            release: list[int]) -> tuple[ItemSelection, set[int]]:
         """One Select that also ends ``release`` leases; returns (selection, the stale ones of those)."""
-        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
-                                   timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
-        response = self._stub.Select(request, metadata=self._metadata)
+        response = self._stub.Select(self._select_request(num_samples, timeout, release), metadata=self._metadata)
         return parse_select(response, num_columns), set(response.stale_lease_ids)
 
     def select_async(self, num_samples: int, num_columns: int | None, timeout: float | None,
                      release: list[int]) -> PendingSelect:
         """Send a Select (which also ends ``release`` leases) without waiting for its answer."""
-        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
-                                   timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
-        return PendingSelect(self._stub.Select.future(request, metadata=self._metadata), num_columns, release)
+        future = self._stub.Select.future(self._select_request(num_samples, timeout, release), metadata=self._metadata)
+        return PendingSelect(future, num_columns, release)
+
+    def _select_request(self, num_samples: int, timeout: float | None, release: list[int]) -> pb.SelectRequest:
+        return pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
+                                timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
 
     def release(self, lease_ids: list[int]) -> set[int]:
         """End leases; returns the stale ones."""

@@ -206,14 +206,6 @@ class DataPlaneManager:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"registering the grown segment for RDMA failed: {exc}")
         session.layout_version = layout.version
 
-    @staticmethod
-    def _release_parts(table: Any, parts: list[Any]) -> None:
-        for part in parts:
-            try:
-                table.release(part.lease_id)
-            except Exception:  # noqa: BLE001
-                pass
-
     def release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         session = self._session(request.session_id, context)
         stale = self.sessions.release(session, request.lease_ids)

@@ -9,18 +9,11 @@ from gear_client import structured
 from gear_client._proto import replay_pb2 as pb
 from gear_client.specs import TensorSpec
 
-from ._recording import FakeClient, LoopbackServer
+from ._recording import FakeClient
 
 pytestmark = pytest.mark.timeout(60)
 
 STEP = {"obs": None, "action": None, "flag": None}
-
-
-@pytest.fixture
-def server():
-    srv = LoopbackServer()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture

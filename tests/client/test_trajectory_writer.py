@@ -29,13 +29,6 @@ Step = collections.namedtuple("Step", ["obs", "reward"])
 
 
 @pytest.fixture
-def server():
-    srv = LoopbackServer()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
 def client(server):
     signature = signature_to_proto({"obs": TensorSpec([None, 3], np.float32), "r": TensorSpec([], np.int64)})
     c = FakeClient(server.address, {
@@ -453,6 +446,21 @@ def test_dropped_writer_ends_its_stream(server, client):
     while server.servicer.streams_ended < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.servicer.streams_ended == 1
+
+
+def test_a_stream_is_cancelled_once_however_often_it_is_aborted(server, client):
+    """The finalizer at exit and __del__ both abort a dropped writer's stream: gRPC is called once (not at exit)."""
+    w = TrajectoryWriter(client, 3)
+    w.append({"r": np.int64(1)})
+    w.create_item("t", 1.0, w.history["r"][:])
+    w.flush()
+    stream = w._stream
+    cancels = []
+    cancel = stream._call.cancel
+    stream._call.cancel = lambda: cancels.append(1) or cancel()
+    w._finalizer()  # what runs at exit
+    w.close(_wait=False)  # what __del__ does later
+    assert cancels == [1] and w._stream is None
 
 
 def test_hand_encoded_requests_parse_as_protobuf():

@@ -10,18 +10,11 @@ import pytest
 from gear_client._proto import replay_pb2 as pb
 from gear_client.writer import Writer
 
-from ._recording import FakeClient, LoopbackServer
+from ._recording import FakeClient
 
 pytestmark = pytest.mark.timeout(60)
 
 Obs = collections.namedtuple("Obs", ["pixels", "done"])
-
-
-@pytest.fixture
-def server():
-    srv = LoopbackServer()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture

@@ -215,6 +215,9 @@ class EmulatedConnection:
     def region_of(self, buf: np.ndarray) -> Region:
         return self._buffers[int(buf.ctypes.data)][1]
 
+    def free(self, buf: np.ndarray) -> None:
+        del self._buffers[int(buf.ctypes.data)]
+
     def post_reads(self, queue: int, wr_id: int, ranges: np.ndarray, local: Region, remote: pb.RdmaRegion) -> None:
         self.posted_chains += 1
         self.posted_requests += len(ranges)

@@ -174,6 +174,14 @@ def test_buffer_pool_tracks_mmap_backed_buffers_through_their_views():
     assert id(pool.get(8192)) == a_id
 
 
+def test_buffer_pool_hands_the_buffers_it_forgets_to_forget():
+    forgotten = []
+    pool = BufferPool(max_buffers=2, forget=forgotten.append)
+    held = [pool.get(100) for _ in range(3)]  # a learner keeping its batches: the pool must grow past its size
+    assert len(forgotten) == 1 and forgotten[0] is held[0]  # the oldest (the RDMA plane deregisters it)
+    assert all(pool.get(100) is not b for b in held)
+
+
 def test_batch_buffers_are_page_aligned():
     from gear_client.data_planes.batch import page_aligned_empty
 
@@ -216,5 +224,27 @@ def test_inline_batches_spanning_several_messages_are_assembled_and_windowed():
             assert np.all(windowed.columns[1][i, :12 - k] == 0)
             assert np.array_equal(windowed.columns[1][i, 12 - k:], view[slot, n - k:n])
             assert windowed.lengths[i, 1] == k
+    finally:
+        d.stop()
+
+
+def test_inline_batches_follow_a_growing_table_without_cutting_items():
+    from gear_client.data_planes.sampler import PlaneSampler
+
+    from ._support import insert
+
+    d = start_daemon(table_config("t", 4))
+    try:
+        table = d.tables["t"]
+        insert(table, 1, length=4, dim=4)
+        with PlaneSampler(d.address(), "t", planes=["inline"]) as s:
+            assert s.sample(1).columns[1].shape == (1, 4, 4)  # the layout the session opened with
+            insert(table, 2, length=12, dim=4)  # longer items: the table grows
+            insert(table, 3, length=12, dim=4)
+            batches = [s.sample(4) for _ in range(3)]
+            assert all(b.plane == "inline" and check_batch(b) == 4 for b in batches)  # whole items, intact
+            assert all(b.columns[1].shape == (4, 12, 4) for b in batches)
+            for b in batches:
+                assert [4 if key == 1 else 12 for key in b.keys.tolist()] == b.lengths[:, 1].tolist()
     finally:
         d.stop()

@@ -154,7 +154,7 @@ s = PlaneSampler(sys.argv[1], "t")
 items = torn = batches = 0
 end = time.monotonic() + float(sys.argv[2])
 stream = s.batches(8) if sys.argv[3] == "pipelined" else None
-while time.monotonic() < end:
+while time.monotonic() < end or items < 80:  # at least 80 items however slow the machine
     b = next(stream) if stream is not None else s.sample(8)
     batches += 1
     a, o, r = b.columns
@@ -282,7 +282,7 @@ def test_pipelined_batches_follow_a_growing_table_without_resampling():
         info = t.info()
         completed = info.rate_limiter_info.sample_stats.completed
         # delivered, or in flight when closed (gathers running, Selects sent ahead, batches awaiting their
-        # verdict): none thrown away
+        # verdict: 5 batches at most), or the one Select answered before the growth but read after it (dropped)
         assert 14 <= completed <= 14 + 2 * (sampler_module.PIPELINE_DEPTH - 1 + 2 * sampler_module.PIPELINE_PREFETCH)
     finally:
         d.stop()

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections import deque
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from gear_client.data_planes import sampler as sampler_module
-from gear_client.data_planes.sampler import PlaneSampler
+from gear_client.data_planes import shm as shm_module
+from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
 
 from ._support import check_batch, fill, insert, start_daemon, table_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Plane:
@@ -87,5 +97,91 @@ def test_selects_are_sent_ahead_and_every_lease_ends_with_the_stream():
             assert s.reopens == 0 and s.stale_batches == 0
             stream.close()
             assert table.active_leases() == 0
+    finally:
+        d.stop()
+
+
+def test_closing_the_sampler_while_a_pipeline_runs_ends_it_with_sampler_closed():
+    """close() from another thread at any point of the pipeline: SamplerClosedError, never a gather on a freed plane."""
+    d = start_daemon(table_config("t", 32))
+    try:
+        fill(d.tables["t"], 16, length=8, dim=256)
+        outcomes = []
+        for trial in range(15):
+            s = PlaneSampler(d.address(), "t")
+            s.open()
+
+            def consume(sampler=s):
+                try:
+                    for _ in sampler.batches(4):
+                        pass
+                except SamplerClosedError:
+                    outcomes.append("closed")
+                except Exception as exc:  # noqa: BLE001 - recorded and asserted on below
+                    outcomes.append(repr(exc))
+
+            consumer = threading.Thread(target=consume)
+            consumer.start()
+            time.sleep(0.01 + 0.003 * (trial % 7))  # close at different points of the pipeline
+            s.close()
+            consumer.join(10)
+            assert not consumer.is_alive()
+        assert outcomes == ["closed"] * 15
+        deadline = time.monotonic() + 5
+        while d.tables["t"].active_leases() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the daemon ends the closed sessions' leases
+        assert d.tables["t"].active_leases() == 0
+    finally:
+        d.stop()
+
+
+_EXITING_LEARNER = """
+import sys
+from gear_client.data_planes.sampler import PlaneSampler
+stream = PlaneSampler(sys.argv[1], "t").batches(2)
+for _ in range(5):
+    next(stream)
+print("exiting with Selects in flight", flush=True)
+"""
+
+
+def test_a_learner_exiting_with_a_pipeline_open_ends_its_session_at_exit():
+    """Closed at exit while gRPC still runs (a call made during finalization can hang): the leases end at once."""
+    d = start_daemon(table_config("t", 16), lease_timeout_s=60, idle_timeout_s=60)
+    try:
+        table = d.tables["t"]
+        fill(table, 8, length=4, dim=4)
+        out = subprocess.run([sys.executable, "-c", _EXITING_LEARNER, d.address()], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert out.returncode == 0 and "exiting" in out.stdout, out.stderr
+        deadline = time.monotonic() + 5
+        while (table.active_leases() or len(d.manager.sessions)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # far sooner than the 60 s lease and idle timeouts: the session was closed, not reaped
+        assert table.active_leases() == 0 and len(d.manager.sessions) == 0
+    finally:
+        d.stop()
+
+
+def test_a_failing_gather_ends_the_stream_with_its_error_and_no_lease_left(monkeypatch):
+    d = start_daemon(table_config("t", 32))
+    try:
+        table = d.tables["t"]
+        fill(table, 16, length=8, dim=16)
+        gather = shm_module.gather_numpy
+        calls = iter(range(1000))
+
+        def failing_gather(*args, **kwargs):
+            if next(calls) == 4:
+                raise OSError("the segment went away")
+            gather(*args, **kwargs)
+
+        monkeypatch.setattr(shm_module, "gather_numpy", failing_gather)
+        with PlaneSampler(d.address(), "t") as s:
+            stream = s.batches(2)
+            with pytest.raises(OSError, match="segment went away"):
+                for _ in range(20):
+                    check_batch(next(stream))
+            assert table.active_leases() == 0  # the failed gather's lease too, not left to its 60 s timeout
     finally:
         d.stop()
