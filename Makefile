@@ -12,7 +12,7 @@ CUBINS := $(patsubst kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 SRC_PATH := .build/py
 GPU_ENV := PYTHONPATH=$(CURDIR):$(CURDIR)/$(SRC_PATH) PYTHONUNBUFFERED=1
 
-.PHONY: install test test-gpu demo bench bench-gpu bench-reverb serve proto proto-check lint kernels-build srcpath clean install-service
+.PHONY: install test test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build srcpath clean install-service
 
 install: $(STAMP)
 
@@ -52,11 +52,19 @@ test-gpu: srcpath
 bench-gpu: srcpath
 	$(GPU_ENV) $(PYTHON) bench/bench_gpu.py
 
+# Learner data planes end to end; on the GPU machine with shm into GPU memory.
+bench-planes-gpu: srcpath
+	$(GPU_ENV) $(PYTHON) bench/bench_planes.py --no-reverb
+
 demo: install
 	$(VPY) examples/demo.py
 
 bench: install
 	$(VPY) bench/bench_core.py
+
+# Data planes on this machine (Reverb side by side when .venv-reverb exists).
+bench-planes: install
+	$(VPY) bench/bench_planes.py
 
 # DeepMind Reverb 0.14.0 (needs Python 3.11 and TensorFlow) in its own venv, then
 # the core benchmark against both, side by side.
