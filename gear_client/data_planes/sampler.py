@@ -7,6 +7,9 @@ and releases the lease. It recovers by itself from what happens in a long run:
 * the plane fails to come up (segment not openable, RDMA connection refused):
   the session is closed and the next best plane negotiated;
 * the table's layout changed (first item, or growth): re-open, select again;
+* the table grew again before a new layout was mapped (its segment is already
+  unlinked): that selection is released unread and a later answer brings the
+  newer layout, on the same plane;
 * the session was reaped (learner idle past the daemon's timeout): re-open;
 * a lease came back stale (expired while reading, or a slot rewritten): the
   batch is dropped and selected again, so a torn item never reaches the learner.
@@ -38,6 +41,9 @@ log = logging.getLogger(__name__)
 
 MAX_STALE_RETRIES = 32
 MAX_REOPENS = 8  # re-negotiations for one batch before giving up
+# Layouts in a row whose segment was gone (the table grew again) before the plane fell back: a
+# segment that never shows up (another /dev/shm behind one host identity) is not a growth race.
+MAX_OUTGROWN_LAYOUTS = 8
 # Pipelined batches(): gathers running before the oldest is waited for, and Selects sent ahead.
 PIPELINE_DEPTH = 3
 PIPELINE_PREFETCH = 2
@@ -46,6 +52,7 @@ _STALE = object()
 _REOPENED = object()
 _DROP = object()
 _RETURN = object()
+_OUTGROWN = object()
 
 
 _open_samplers: weakref.WeakSet[PlaneSampler] = weakref.WeakSet()
@@ -121,6 +128,9 @@ class PlaneSampler:
         self._layout: TableLayout | None = None
         self.stale_batches = 0  # batches dropped because their lease came back stale
         self.reopens = 0
+        self.outgrown_layouts = 0  # layouts skipped because the table grew again before they were mapped
+        self._outgrown_in_row = 0
+        self._gone_version = -1  # the newest layout version whose segment was found unlinked
         self.closed = False
         _open_samplers.add(self)
 
@@ -267,6 +277,8 @@ class PlaneSampler:
                 self.stale_batches += 1
                 if stale > self.max_stale_retries:
                     raise StaleBatchError(f"{stale} batches in a row from table '{self.table}' came back stale")
+            elif outcome is _OUTGROWN:
+                continue  # the next Select brings the newer layout (bounded by MAX_OUTGROWN_LAYOUTS)
             elif outcome is _REOPENED:
                 retries += 1
                 if retries > MAX_REOPENS:
@@ -288,8 +300,9 @@ class PlaneSampler:
             raise errors.from_rpc_error(exc, "sample") from exc
         try:
             if selection.layout is not None:  # first items, or the table grew: same lease, new segment
-                self._plane.set_layout(selection.layout, selection.region)
-                self._layout = selection.layout
+                if not self._map_layout(self._plane, selection.layout, selection.region):
+                    self._release_quietly(session, selection.lease_id)
+                    return _OUTGROWN
             elif self._layout is None or selection.layout_version != self._layout.version:
                 self._release_quietly(session, selection.lease_id)
                 self._reopen()
@@ -436,6 +449,8 @@ class PlaneSampler:
             return None
         if current is not None and version < current:
             return _DROP  # selected before the table grew, answered after a Select that saw the growth
+        if version <= self._gone_version:
+            return _DROP  # addresses a segment already unlinked: a later answer brings the newer layout
         if layout is not None and current is not None and layout.version == current:
             return None  # brought again (out of order): already mapped
         region = selection.region
@@ -455,14 +470,37 @@ class PlaneSampler:
             to_release.append(done.lease_id)
         gathering.clear()
         try:
-            plane.set_layout(layout, region)
+            if not self._map_layout(plane, layout, region):
+                return _DROP
         except Exception as exc:  # noqa: BLE001 - cannot map the new segment: next best plane
             log.warning("%s plane cannot switch to the new layout (%s); falling back", plane.kind, exc)
             with self._lock:
                 self._excluded.add(plane.kind)
             return _RETURN
-        self._layout = layout
         return None
+
+    def _map_layout(self, plane, layout: TableLayout, region) -> bool:
+        """Switch the plane to ``layout``; False if its segment is already gone because the table grew again.
+
+        The daemon attaches the table's layout of the moment to an answer; a
+        growth before the learner maps it unlinks that segment. The selection is
+        then released unread: the daemon sends the newer layout with a later
+        answer (the session's layout is still the one it sent). Too many such
+        layouts in a row, and the error is raised (the plane falls back).
+        """
+        try:
+            plane.set_layout(layout, region)
+        except FileNotFoundError as exc:
+            self._outgrown_in_row += 1
+            if self._outgrown_in_row > MAX_OUTGROWN_LAYOUTS:
+                raise
+            self.outgrown_layouts += 1
+            self._gone_version = max(self._gone_version, layout.version)
+            log.debug("layout v%d of table '%s' outgrown before it was mapped (%s)", layout.version, self.table, exc)
+            return False
+        self._outgrown_in_row = 0
+        self._layout = layout
+        return True
 
     def _drain(self, session: PlaneSession, selects: deque, gathering: deque, leases: list[int]) -> None:
         """End a pipeline: wait for its gathers, collect or cancel its Selects, release every lease."""
