@@ -30,6 +30,7 @@ from gear_client import errors, nest
 from gear_client._proto import replay_pb2 as pb
 from gear_client._proto import replay_pb2_grpc as pb_grpc
 from gear_client.replay_sample import ReplaySample, SampleInfo
+from gear_client.wire import read_varint, skip_field
 
 __all__ = ["Client", "decode_sample_response", "SampleBatchView", "CHANNEL_OPTIONS"]
 
@@ -431,35 +432,6 @@ class SampleBatchView:
         return out
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint in sample response")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long in sample response")
-
-
-def _skip_field(buf: memoryview, pos: int, wire_type: int) -> int:
-    if wire_type == 0:
-        return _read_varint(buf, pos)[1]
-    if wire_type == 1:
-        return pos + 8
-    if wire_type == 2:
-        length, pos = _read_varint(buf, pos)
-        return pos + length
-    if wire_type == 5:
-        return pos + 4
-    raise ValueError(f"unsupported wire type {wire_type} in sample response")
-
-
 def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarray:
     """A Tensor message in raw[start:end] -> an array viewing its data bytes (no copy)."""
     dtype_text = ""
@@ -467,27 +439,27 @@ def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarr
     data_at, data_len = start, 0
     pos = start
     while pos < end:
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7
         if field == 1 and wire_type == 2:
-            length, pos = _read_varint(buf, pos)
+            length, pos = read_varint(buf, pos)
             dtype_text = bytes(buf[pos:pos + length]).decode()
             pos += length
         elif field == 2 and wire_type == 2:  # packed shape
-            length, pos = _read_varint(buf, pos)
+            length, pos = read_varint(buf, pos)
             stop = pos + length
             while pos < stop:
-                d, pos = _read_varint(buf, pos)
+                d, pos = read_varint(buf, pos)
                 shape.append(d)
         elif field == 2 and wire_type == 0:
-            d, pos = _read_varint(buf, pos)
+            d, pos = read_varint(buf, pos)
             shape.append(d)
         elif field == 3 and wire_type == 2:
-            data_len, pos = _read_varint(buf, pos)
+            data_len, pos = read_varint(buf, pos)
             data_at = pos
             pos += data_len
         else:
-            pos = _skip_field(buf, pos, wire_type)
+            pos = skip_field(buf, pos, wire_type)
     if pos != end:
         raise ValueError("malformed tensor in sample response")
     dtype = np.dtype(dtype_text)
@@ -509,24 +481,24 @@ def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchVie
     pos = 0
     end = len(buf)
     while pos < end:
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         if key != 0x0A:  # SampleResponse.batch, length-delimited
-            pos = _skip_field(buf, pos, key & 7)
+            pos = skip_field(buf, pos, key & 7)
             continue
-        length, pos = _read_varint(buf, pos)
+        length, pos = read_varint(buf, pos)
         batch_end = pos + length
         if batch_end > end:
             raise ValueError("truncated sample response")
         while pos < batch_end:
             field_start = pos
-            key, pos = _read_varint(buf, pos)
+            key, pos = read_varint(buf, pos)
             if key == 0x12:  # SampleBatch.columns
-                length, pos = _read_varint(buf, pos)
+                length, pos = read_varint(buf, pos)
                 column = _parse_tensor(raw, buf, pos, pos + length)
                 columns.append(column.copy() if writable else column)
                 pos += length
             else:
-                pos = _skip_field(buf, pos, key & 7)
+                pos = skip_field(buf, pos, key & 7)
                 small += buf[field_start:pos]
         if pos != batch_end:
             raise ValueError("malformed sample batch")

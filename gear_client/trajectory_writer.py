@@ -23,7 +23,6 @@ fresh stream and resends whatever data later items need.
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import math
 import operator
@@ -46,6 +45,7 @@ from gear_client._proto import replay_pb2 as pb
 from gear_client.client import tune_allocator
 from gear_client.errors import DeadlineExceededError, ReverbError, ServiceError, from_rpc_error
 from gear_client.specs import shape_compatible, signature_specs
+from gear_client.wire import encode_varint
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "DataReference"]
 
@@ -463,71 +463,49 @@ class _ColumnHistory:
 # (field numbers from protos/gear/v1/replay.proto); everything else is encoded
 # by protobuf and appended (concatenated messages merge).
 
-_VARINT1 = [bytes((i,)) for i in range(128)]
-
-
-@functools.lru_cache(maxsize=4096)
-def _varint_long(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _varint(n: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative int."""
-    if n < 0x80:
-        return _VARINT1[n]
-    if n < 0x4000:
-        return bytes(((n & 0x7F) | 0x80, n >> 7))
-    return _varint_long(n)
-
-
 def _chunk_head(key: int, dtype: bytes, shape: tuple, nbytes: int, episode_id: int, episode_step: int) -> bytes:
     """``InsertStreamRequest.chunks`` (field 1) holding one ChunkData, up to its raw data."""
-    packed = b"".join([_varint(d) for d in shape])
+    packed = b"".join([encode_varint(d) for d in shape])
     tensor_head = b"".join((
-        b"\x0a", _varint(len(dtype)), dtype,            # Tensor.dtype = 1
-        b"\x12", _varint(len(packed)), packed,          # Tensor.shape = 2 (packed)
-        b"\x1a", _varint(nbytes),                       # Tensor.data = 3 (the raw bytes follow)
+        b"\x0a", encode_varint(len(dtype)), dtype,            # Tensor.dtype = 1
+        b"\x12", encode_varint(len(packed)), packed,          # Tensor.shape = 2 (packed)
+        b"\x1a", encode_varint(nbytes),                       # Tensor.data = 3 (the raw bytes follow)
     ))
     chunk_head = b"".join((
-        b"\x08", _varint(key),                          # ChunkData.chunk_key = 1
-        b"\x18", _varint(episode_id),                   # ChunkData.episode_id = 3
-        b"\x20", _varint(episode_step),                 # ChunkData.episode_step = 4
-        b"\x12", _varint(len(tensor_head) + nbytes), tensor_head,  # ChunkData.data = 2
+        b"\x08", encode_varint(key),                          # ChunkData.chunk_key = 1
+        b"\x18", encode_varint(episode_id),                   # ChunkData.episode_id = 3
+        b"\x20", encode_varint(episode_step),                 # ChunkData.episode_step = 4
+        b"\x12", encode_varint(len(tensor_head) + nbytes), tensor_head,  # ChunkData.data = 2
     ))
-    return b"\x0a" + _varint(len(chunk_head) + nbytes) + chunk_head
+    return b"\x0a" + encode_varint(len(chunk_head) + nbytes) + chunk_head
 
 
 def _encode_item(key: int, table: bytes, priority: float, structure: bytes,
                  columns: list[tuple[list[tuple[int, int, int]], bool]]) -> bytes:
     """``InsertStreamRequest.items`` (field 2) holding one PrioritizedItem."""
-    parts = [b"\x08", _varint(key),                      # PrioritizedItem.key = 1
-             b"\x12", _varint(len(table)), table,        # .table = 2
+    parts = [b"\x08", encode_varint(key),                      # PrioritizedItem.key = 1
+             b"\x12", encode_varint(len(table)), table,        # .table = 2
              b"\x19", _DOUBLE.pack(priority),             # .priority = 3 (fixed64)
-             b"\x22", _varint(len(structure)), structure]  # .structure = 4
+             b"\x22", encode_varint(len(structure)), structure]  # .structure = 4
     for slices, squeeze in columns:
         body = []
         for chunk_key, offset, length in slices:
-            s = b"".join((b"\x08", _varint(chunk_key), b"\x10", _varint(offset), b"\x18", _varint(length)))
-            body += (b"\x0a", _varint(len(s)), s)         # ItemColumn.slices = 1
+            s = b"".join((b"\x08", encode_varint(chunk_key), b"\x10", encode_varint(offset), b"\x18", encode_varint(length)))
+            body += (b"\x0a", encode_varint(len(s)), s)         # ItemColumn.slices = 1
         if squeeze:
             body.append(b"\x10\x01")                      # ItemColumn.squeeze = 2
         encoded = b"".join(body)
-        parts += (b"\x2a", _varint(len(encoded)), encoded)  # .columns = 5
+        parts += (b"\x2a", encode_varint(len(encoded)), encoded)  # .columns = 5
     item = b"".join(parts)
-    return b"\x12" + _varint(len(item)) + item
+    return b"\x12" + encode_varint(len(item)) + item
 
 
 def _encode_releases(keys: Sequence[int]) -> bytes:
     """``InsertStreamRequest.release_chunk_keys`` (field 3, packed)."""
     if not keys:
         return b""
-    packed = b"".join([_varint(k) for k in keys])
-    return b"\x1a" + _varint(len(packed)) + packed
+    packed = b"".join([encode_varint(k) for k in keys])
+    return b"\x1a" + encode_varint(len(packed)) + packed
 
 
 _INSERT_STREAM_METHOD = "/gear.v1.ReplayService/InsertStream"

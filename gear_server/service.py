@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from gear_client._proto import replay_pb2 as pb
+from gear_client.wire import length_prefix
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
 
 log = logging.getLogger(__name__)
@@ -161,23 +162,6 @@ def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> Any:
 
 # ------------------------------------------------------------ sample encoding ----
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _field(tag_byte: int, length: int) -> bytes:
-    """A length-delimited field's key and length prefix (field numbers < 16)."""
-    return bytes((tag_byte,)) + _varint(length)
-
-
 _TAG_BATCH = 0x0A      # SampleResponse.batch = 1
 _TAG_COLUMNS = 0x12    # SampleBatch.columns = 2
 _TAG_DATA = 0x1A       # Tensor.data = 3
@@ -200,13 +184,13 @@ def encode_sample_response(infos: list[pb.SampleInfo], lengths: np.ndarray, stru
     for c, (dtype, shape, parts) in enumerate(columns):
         nbytes = sum(memoryview(p).nbytes for p in parts)
         tensor_head = pb.Tensor(dtype=dtype.str, shape=[int(totals[c]), *shape]).SerializeToString()
-        data_prefix = _field(_TAG_DATA, nbytes)
+        data_prefix = length_prefix(_TAG_DATA, nbytes)
         tensor_len = len(tensor_head) + len(data_prefix) + nbytes
-        column_prefix = _field(_TAG_COLUMNS, tensor_len) + tensor_head + data_prefix
+        column_prefix = length_prefix(_TAG_COLUMNS, tensor_len) + tensor_head + data_prefix
         pieces.append(column_prefix)
         pieces.extend(parts)
         batch_len += len(column_prefix) + nbytes
-    pieces[0] = _field(_TAG_BATCH, batch_len)
+    pieces[0] = length_prefix(_TAG_BATCH, batch_len)
     return b"".join(pieces)
 
 
