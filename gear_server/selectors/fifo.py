@@ -56,17 +56,6 @@ class InsertionOrder(LazyDeletion):
             q.pop()
         return q[-1][1]
 
-    def _pick(self) -> int:
-        raise NotImplementedError
-
-    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        self._check_nonempty()
-        return np.full(n, self._pick(), np.int64), np.ones(n)
-
-    def pick_one(self, rng: np.random.Generator) -> int:
-        self._check_nonempty()
-        return self._pick()
-
 
 class Fifo(InsertionOrder):
     """Picks the item inserted first."""

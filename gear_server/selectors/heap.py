@@ -44,19 +44,11 @@ class Heap(LazyDeletion):
         self._live[slot] = seq
         heapq.heappush(self._entries, (self._sign * priority, seq, slot))
 
-    def top(self) -> int:
+    def _pick(self) -> int:
         h = self._entries
         while not self._is_live(h[0]):
             heapq.heappop(h)
         return h[0][2]
-
-    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        self._check_nonempty()
-        return np.full(n, self.top(), np.int64), np.ones(n)
-
-    def pick_one(self, rng: np.random.Generator) -> int:
-        self._check_nonempty()
-        return self.top()
 
     def restore(self, slots, priorities, insert_seq, update_seq, state) -> None:
         self._load((self._sign * priority, seq, slot) for slot, priority, seq in zip(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from gear_client._proto import replay_pb2 as pb
 from gear_server.selectors.base import Selector
 
@@ -31,6 +33,18 @@ class LazyDeletion(Selector):
 
     def __len__(self) -> int:
         return self._n
+
+    def _pick(self) -> int:
+        """The slot chosen next: these selectors are deterministic (probability 1.0)."""
+        raise NotImplementedError
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        self._check_nonempty()
+        return np.full(n, self._pick(), np.int64), np.ones(n)
+
+    def pick_one(self, rng: np.random.Generator) -> int:
+        self._check_nonempty()
+        return self._pick()
 
     def resize(self, capacity: int) -> None:
         self._live.extend([-1] * (capacity - self.capacity))
