@@ -5,14 +5,12 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NVCC ?= $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
-CU_SOURCES := $(wildcard kernels/*.cu)
-CUBINS := $(patsubst kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
-# Source-tree imports for machines without the venv (the GPU machine):
-# gear_kernels is the installed name of kernels/.
-SRC_PATH := .build/py
-GPU_ENV := PYTHONPATH=$(CURDIR):$(CURDIR)/$(SRC_PATH) PYTHONUNBUFFERED=1
+CU_SOURCES := $(wildcard gear_kernels/*.cu)
+CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
+# Source-tree imports for machines without the venv (the GPU machine).
+GPU_ENV := PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1
 
-.PHONY: install test test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build srcpath clean install-service
+.PHONY: install test test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -25,10 +23,10 @@ $(STAMP): pyproject.toml
 # Compile every CUDA source for sm_90 so a kernel that does not build fails here.
 kernels-build: $(CUBINS)
 
-.build/cubin/%.cubin: kernels/%.cu $(wildcard kernels/*.cuh)
+.build/cubin/%.cubin: gear_kernels/%.cu $(wildcard gear_kernels/*.cuh)
 	@mkdir -p $(dir $@)
 	@if [ -z "$(NVCC)" ]; then echo "nvcc not found: cannot check $<" >&2; exit 1; fi
-	$(NVCC) -arch=sm_90 --cubin -Ikernels -o $@ $<
+	$(NVCC) -arch=sm_90 --cubin -Igear_kernels -o $@ $<
 
 proto: install
 	$(VPY) tools/gen_protos.py
@@ -42,18 +40,15 @@ lint: install
 test: install kernels-build proto-check lint
 	$(VPY) -m pytest -q -m "not gpu and not rdma"
 
-srcpath:
-	@mkdir -p $(SRC_PATH) && ln -sfn ../../kernels $(SRC_PATH)/gear_kernels
-
 # On the GPU machine: system python3 with cupy, run from the source tree.
-test-gpu: srcpath
+test-gpu:
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
 
-bench-gpu: srcpath
+bench-gpu:
 	$(GPU_ENV) $(PYTHON) bench/bench_gpu.py
 
 # Learner data planes end to end; on the GPU machine with shm into GPU memory.
-bench-planes-gpu: srcpath
+bench-planes-gpu:
 	$(GPU_ENV) $(PYTHON) bench/bench_planes.py --no-reverb
 
 demo: install

@@ -29,14 +29,14 @@ import sys
 import tempfile
 import time
 
-import gear_kernels as gk
 import numpy as np
+
+import gear_kernels as gk
+from gear_contract.layout import TableLayout
 from gear_kernels import selection, twins
 from gear_kernels._replay import Replay
 from gear_kernels.gather import GatherPlan
-from gear_kernels.offload import WeightOffload
-
-from gear_client.layout import TableLayout
+from gear_server.selectors.offload import WeightOffload
 
 GOALS = {
     "gather_large": 0.9,  # x pinned ceiling, items >= 64 KiB at B >= 256

@@ -29,9 +29,9 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
 from gear_client.auth import ChannelSecurity
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_server.auth import AuthSettings
 from gear_server.checkpoint import Checkpointer
 from gear_server.metrics import RpcObserver, ServerMetrics

@@ -116,8 +116,8 @@ def sample_stream_ceiling(address: str, batch: int, seconds: float) -> float:
     """Bytes per second the Sample RPC streams over loopback, not decoded: the inline plane's ceiling."""
     import grpc
 
-    from gear_client._proto import replay_pb2 as pb
-    from gear_client.client import CHANNEL_OPTIONS
+    from gear_contract._proto import replay_pb2 as pb
+    from gear_contract.channel import CHANNEL_OPTIONS
 
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         call = channel.unary_stream("/gear.v1.ReplayService/Sample",
@@ -189,9 +189,9 @@ def gpu_breakdown(address: str, batch: int, reps: int = 40) -> dict[str, Any]:
     import statistics
 
     import cupy as cp
-    from gear_kernels.gather import GatherPlan
 
     from gear_client.data_planes import PlaneSampler
+    from gear_kernels.gather import GatherPlan
 
     rtt, launch, gpu = [], [], []
     with PlaneSampler(address, "uniform", planes=["shm"], device="cuda") as sampler:
@@ -245,7 +245,7 @@ def bench_rdma_overhead(address: str, batch: int, seconds: float) -> dict[str, A
     from gear_client.data_planes import range_planning as rp
     from gear_client.data_planes.rdma import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_SEND_WR, execute_plan
     from gear_client.data_planes.sampler import PlaneSampler
-    from gear_client.data_planes.verbs import Completion
+    from gear_contract.verbs import Completion
 
     class NullNic:
         def __init__(self):
@@ -286,7 +286,7 @@ def rp_balance() -> int:
 
 
 def bench_rdma_real(address: str, batch: int, seconds: float) -> dict[str, Any] | None:
-    from gear_client.data_planes import verbs
+    from gear_contract import verbs
 
     if verbs.probe() is None:
         return None
@@ -340,9 +340,8 @@ def run_reverb_only(batches: list[int], seconds: float) -> dict[str, Any]:
 # --------------------------------------------------------------------- main --
 
 def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]:
-    import gear_kernels
-
     import gear_client as reverb
+    import gear_kernels
 
     results: dict[str, Any] = {"machine": machine(), "item_bytes": ITEM_BYTES, "num_items": NUM_ITEMS,
                                "ceilings": {}, "planes": {}}

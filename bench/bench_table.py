@@ -21,7 +21,7 @@ import uuid
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.storage import SegmentStore
 from gear_server.table import ItemToInsert, Table, TableSnapshot
 

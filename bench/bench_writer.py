@@ -31,8 +31,8 @@ GOAL_GBPS = 0.46
 def _serve(port_queue: mp.Queue, stop_event: mp.Event) -> None:
     import grpc
 
-    from gear_client._proto import replay_pb2 as pb
-    from gear_client._proto import replay_pb2_grpc
+    from gear_contract._proto import replay_pb2 as pb
+    from gear_contract._proto import replay_pb2_grpc
 
     class Discard(replay_pb2_grpc.ReplayServiceServicer):
         def InsertStream(self, request_iterator, context):  # noqa: N802
@@ -56,8 +56,8 @@ class _Client:
     def __init__(self, address: str):
         import grpc
 
-        from gear_client._proto import replay_pb2 as pb
-        from gear_client._proto import replay_pb2_grpc
+        from gear_contract._proto import replay_pb2 as pb
+        from gear_contract._proto import replay_pb2_grpc
 
         self._channel = grpc.insecure_channel(address)
         self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)

@@ -11,7 +11,7 @@ import abc
 import os
 import tempfile
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = ["CheckpointerBase", "DefaultCheckpointer", "RecordIOCheckpointer", "TempDirCheckpointer",
            "default_checkpointer"]

@@ -15,10 +15,8 @@ writable array (Reverb's samples are writable), and items are views of it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
-import sys
 import threading
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
@@ -26,19 +24,18 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gear_client import errors, nest
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
+from gear_client import errors
 from gear_client.replay_sample import ReplaySample, SampleInfo
-from gear_client.wire import read_varint, skip_field
+from gear_client.table_info import TableInfo
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
+from gear_contract.allocator import tune_allocator
+from gear_contract.channel import CHANNEL_OPTIONS
+from gear_contract.wire import decode_sample_response
 
-__all__ = ["Client", "decode_sample_response", "SampleBatchView", "CHANNEL_OPTIONS"]
+__all__ = ["Client"]
 
-MAX_MESSAGE_BYTES = (1 << 31) - 1
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 _SAMPLE_METHOD = "/gear.v1.ReplayService/Sample"
 # Items per Select when client.sample goes over a data plane (shm/rdma).
 _PLANE_ITEMS_PER_SELECT = 256
@@ -248,7 +245,7 @@ class Client:
             for raw in call:
                 batch = decode_sample_response(raw, writable=True)
                 for i in range(batch.num_items):
-                    yield emit(batch.info(i), batch.item_columns(i))
+                    yield emit(_sample_info(batch.infos[i]), batch.item_columns(i))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "sample") from e
         finally:
@@ -309,7 +306,6 @@ class Client:
 
     def server_info(self, timeout: float | None = None) -> dict[str, Any]:
         """Table name -> TableInfo; DeadlineExceededError when the daemon does not answer within ``timeout`` s."""
-        from gear_client.server import TableInfo
 
         response = self._fetch_server_info(timeout or None)
         return {t.name: TableInfo.from_proto(t) for t in response.table_info}
@@ -330,32 +326,6 @@ class Client:
                 wait_for_ready=True)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "check_rate_limiter") from e
-
-
-_allocator_tuned = False
-
-
-def tune_allocator(mmap_threshold: int = 128 << 20, trim_threshold: int = 256 << 20) -> bool:
-    """Keep freed multi-MiB buffers in the heap (glibc) so the next ones do not fault in fresh pages.
-
-    Every sampled message and batch is a fresh multi-MiB buffer; with glibc's
-    defaults the heap top is trimmed and the pages faulted in (and zeroed) again
-    for nearly every message, which costs as much CPU as the copies themselves.
-    Buffers under ``mmap_threshold`` come from the heap, and up to
-    ``trim_threshold`` bytes of free heap are kept. Set ``GEAR_MALLOC_TUNING=0``
-    to leave the allocator alone. Returns whether the settings were applied.
-    """
-    global _allocator_tuned
-    if _allocator_tuned or not sys.platform.startswith("linux") or os.environ.get("GEAR_MALLOC_TUNING", "1") == "0":
-        return _allocator_tuned
-    try:
-        libc = ctypes.CDLL(None)
-        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
-        _allocator_tuned = bool(libc.mallopt(m_mmap_threshold, int(mmap_threshold))) and \
-            bool(libc.mallopt(m_trim_threshold, int(trim_threshold)))
-    except (OSError, AttributeError):
-        _allocator_tuned = False
-    return _allocator_tuned
 
 
 def _rebuild_client(address: str, security_args: dict[str, Any], data_planes: tuple[str, ...] = ("shm", "rdma")
@@ -391,115 +361,5 @@ def _unpack(structure: pb.Structure | None, leaves: list) -> Any:
     return nest.unflatten(structure, leaves)
 
 
-# ---------------------------------------------------------------- wire parsing ----
-
-class SampleBatchView:
-    """A decoded SampleResponse: infos, per-item lengths and column arrays viewing the message bytes."""
-
-    __slots__ = ("infos", "lengths", "structure", "squeeze", "columns", "starts", "num_items")
-
-    def __init__(self, batch: pb.SampleBatch, columns: list[np.ndarray]):
-        self.infos = batch.info
-        self.num_items = len(batch.info)
-        n_cols = len(columns)
-        self.lengths = np.asarray(batch.lengths, np.int64).reshape(self.num_items, n_cols) if n_cols else \
-            np.zeros((self.num_items, 0), np.int64)
-        self.structure = batch.structure
-        self.squeeze = list(batch.squeeze) + [False] * (n_cols - len(batch.squeeze))
-        self.columns = columns
-        self.starts = np.zeros_like(self.lengths)
-        if self.num_items:
-            np.cumsum(self.lengths[:-1], axis=0, out=self.starts[1:])
-            for c, col in enumerate(columns):
-                if col.shape[0] != int(self.lengths[:, c].sum()):
-                    raise ValueError(f"sample batch column {c} holds {col.shape[0]} steps, lengths say "
-                                     f"{int(self.lengths[:, c].sum())}")
-
-    def info(self, i: int) -> SampleInfo:
-        m = self.infos[i]
-        return SampleInfo(int(m.key), float(m.probability), int(m.table_size), float(m.priority),
-                          int(m.times_sampled))
-
-    def item_columns(self, i: int) -> list[np.ndarray]:
-        """Item i's leaves: [T, *shape] (squeezed columns: [*shape])."""
-        out = []
-        for c, col in enumerate(self.columns):
-            start = int(self.starts[i, c])
-            if self.squeeze[c]:
-                out.append(col[start, ...])  # an array (0-d for scalars), not a numpy scalar
-            else:
-                out.append(col[start:start + int(self.lengths[i, c])])
-        return out
-
-
-def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarray:
-    """A Tensor message in raw[start:end] -> an array viewing its data bytes (no copy)."""
-    dtype_text = ""
-    shape: list[int] = []
-    data_at, data_len = start, 0
-    pos = start
-    while pos < end:
-        key, pos = read_varint(buf, pos)
-        field, wire_type = key >> 3, key & 7
-        if field == 1 and wire_type == 2:
-            length, pos = read_varint(buf, pos)
-            dtype_text = bytes(buf[pos:pos + length]).decode()
-            pos += length
-        elif field == 2 and wire_type == 2:  # packed shape
-            length, pos = read_varint(buf, pos)
-            stop = pos + length
-            while pos < stop:
-                d, pos = read_varint(buf, pos)
-                shape.append(d)
-        elif field == 2 and wire_type == 0:
-            d, pos = read_varint(buf, pos)
-            shape.append(d)
-        elif field == 3 and wire_type == 2:
-            data_len, pos = read_varint(buf, pos)
-            data_at = pos
-            pos += data_len
-        else:
-            pos = skip_field(buf, pos, wire_type)
-    if pos != end:
-        raise ValueError("malformed tensor in sample response")
-    dtype = np.dtype(dtype_text)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if count * dtype.itemsize != data_len:
-        raise ValueError(f"sample tensor of shape {shape} and dtype {dtype_text} holds {data_len} bytes")
-    return np.frombuffer(raw, dtype=dtype, count=count, offset=data_at).reshape(shape)
-
-
-def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchView:
-    """Parse a serialized SampleResponse.
-
-    Column arrays view ``raw`` (read-only, no copy), or with ``writable`` are one
-    copy per column (numpy arrays users may modify in place, as Reverb's are).
-    """
-    buf = memoryview(raw)
-    small = bytearray()  # every SampleBatch field but the columns, re-parsed by protobuf
-    columns: list[np.ndarray] = []
-    pos = 0
-    end = len(buf)
-    while pos < end:
-        key, pos = read_varint(buf, pos)
-        if key != 0x0A:  # SampleResponse.batch, length-delimited
-            pos = skip_field(buf, pos, key & 7)
-            continue
-        length, pos = read_varint(buf, pos)
-        batch_end = pos + length
-        if batch_end > end:
-            raise ValueError("truncated sample response")
-        while pos < batch_end:
-            field_start = pos
-            key, pos = read_varint(buf, pos)
-            if key == 0x12:  # SampleBatch.columns
-                length, pos = read_varint(buf, pos)
-                column = _parse_tensor(raw, buf, pos, pos + length)
-                columns.append(column.copy() if writable else column)
-                pos += length
-            else:
-                pos = skip_field(buf, pos, key & 7)
-                small += buf[field_start:pos]
-        if pos != batch_end:
-            raise ValueError("malformed sample batch")
-    return SampleBatchView(pb.SampleBatch.FromString(bytes(small)), columns)
+def _sample_info(m: pb.SampleInfo) -> SampleInfo:
+    return SampleInfo(int(m.key), float(m.probability), int(m.table_size), float(m.priority), int(m.times_sampled))

@@ -15,7 +15,6 @@ A ``Table`` describes a table; once a Server hosts it, ``info``,
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import select
@@ -28,13 +27,14 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from gear_client import checkpointers as checkpointers_lib
-from gear_client import rate_limiters as rate_limiters_lib
-from gear_client import selectors as selectors_lib
-from gear_client import specs
-from gear_client._proto import replay_pb2 as pb
+from gear_client.table_info import TableInfo, TableWorkerTime
+from gear_contract import rate_limiters as rate_limiters_lib
+from gear_contract import selectors as selectors_lib
+from gear_contract import specs
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = ["Server", "Table", "TableInfo", "TableWorkerTime"]
 
@@ -43,51 +43,6 @@ log = logging.getLogger(__name__)
 # How long a child daemon may take to start (imports, table creation) and to stop.
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
-
-
-class TableWorkerTime(NamedTuple):
-    """Time the table spent working (Reverb's TableWorkerTime)."""
-
-    running_ms: int = 0
-    sleeping_ms: int = 0
-
-
-@dataclasses.dataclass
-class TableInfo:
-    """A table's configuration and state (Reverb's ``reverb_types.TableInfo``).
-
-    ``signature`` is a nest of TensorSpec (None without one); the option and
-    rate-limiter fields are the gear.v1 messages (same field names as Reverb's).
-    """
-
-    name: str
-    sampler_options: pb.SelectorOptions
-    remover_options: pb.SelectorOptions
-    max_size: int
-    max_times_sampled: int
-    rate_limiter_info: pb.RateLimiterInfo
-    signature: Any
-    current_size: int
-    num_episodes: int
-    num_deleted_episodes: int
-    num_unique_samples: int
-    table_worker_time: TableWorkerTime
-
-    @classmethod
-    def from_proto(cls, proto: pb.TableInfo) -> TableInfo:
-        signature = specs.signature_from_proto(proto.signature) if proto.HasField("signature") else None
-        return cls(
-            name=proto.name, sampler_options=proto.sampler_options, remover_options=proto.remover_options,
-            max_size=int(proto.max_size), max_times_sampled=int(proto.max_times_sampled),
-            rate_limiter_info=proto.rate_limiter_info, signature=signature, current_size=int(proto.current_size),
-            num_episodes=int(proto.num_episodes), num_deleted_episodes=int(proto.num_deleted_episodes),
-            num_unique_samples=int(proto.num_unique_samples),
-            table_worker_time=TableWorkerTime(running_ms=int(proto.table_worker_time_ms)),
-        )
-
-    @classmethod
-    def from_serialized_proto(cls, proto_string: bytes) -> TableInfo:
-        return cls.from_proto(pb.TableInfo.FromString(proto_string))
 
 
 class Table:

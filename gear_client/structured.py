@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from gear_client import nest
 from gear_client.errors import DeadlineExceededError
-from gear_client.specs import TensorSpec, to_tensor_spec
 from gear_client.trajectory_writer import TrajectoryWriter
+from gear_contract import nest
+from gear_contract.specs import TensorSpec, to_tensor_spec
 
 __all__ = [
     "Config",

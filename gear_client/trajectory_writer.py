@@ -40,12 +40,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gear_client import nest
-from gear_client._proto import replay_pb2 as pb
-from gear_client.client import tune_allocator
 from gear_client.errors import DeadlineExceededError, ReverbError, ServiceError, from_rpc_error
-from gear_client.specs import shape_compatible, signature_specs
-from gear_client.wire import encode_varint
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.allocator import tune_allocator
+from gear_contract.specs import shape_compatible, signature_specs
+from gear_contract.wire import encode_varint
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "DataReference"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gear_client import nest
 from gear_client.trajectory_writer import TrajectoryWriter
+from gear_contract import nest
 
 __all__ = ["Writer"]
 

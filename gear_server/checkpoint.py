@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.config import known_keys
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import struct
 import sys
 import threading
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.config import ConfigError, DaemonSettings, load_config
 
 log = logging.getLogger("gear_server.cli")

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gear_client import rate_limiters, selectors, specs
-from gear_client._proto import replay_pb2 as pb
+from gear_contract import rate_limiters, selectors, specs
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = ["ConfigError", "DaemonSettings", "load_config", "parse_config", "table_config_from_toml"]
 

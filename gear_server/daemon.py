@@ -20,8 +20,9 @@ from typing import Any
 
 import grpc
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.client import tune_allocator
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.allocator import tune_allocator
+from gear_contract.channel import CHANNEL_OPTIONS
 from gear_server import __version__
 from gear_server.config import DaemonSettings
 from gear_server.operations import Operations
@@ -31,10 +32,8 @@ from gear_server.storage import SegmentStore
 log = logging.getLogger(__name__)
 
 # Messages carry whole chunks and sample batches: raise gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = (1 << 31) - 1
 GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *CHANNEL_OPTIONS,
     # A port that is taken must fail to bind rather than be shared with another daemon.
     ("grpc.so_reuseport", 0),
 ]
@@ -44,9 +43,9 @@ def host_id() -> str:
     """This host's identity: learners offer theirs and the daemon compares them to pick the shm plane.
 
     The same function on both sides (boot id, host name, network namespace; see
-    gear_client.data_planes.negotiation.local_host_id).
+    gear_contract.negotiation.local_host_id).
     """
-    from gear_client.data_planes.negotiation import local_host_id
+    from gear_contract.negotiation import local_host_id
 
     return local_host_id()
 

@@ -10,7 +10,7 @@ packages are used when importable, else the modules generated from
 protos/grpc/ (tools/gen_protos.py). Both define the same protobuf symbols, so
 only one of each may live in a process's default descriptor pool: import the
 message modules through this module (``health_pb2``, ``health_pb2_grpc``,
-``REFLECTION``), never ``gear_client._proto.health_pb2`` directly.
+``REFLECTION``), never ``gear_contract._proto.health_pb2`` directly.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 
 
 def _load(official: str, generated: str) -> tuple[ModuleType, ModuleType]:
-    """(pb2, pb2_grpc) from the official package when importable, else from gear_client._proto."""
+    """(pb2, pb2_grpc) from the official package when importable, else from gear_contract._proto."""
     try:
         return importlib.import_module(official + "_pb2"), importlib.import_module(official + "_pb2_grpc")
     except Exception:  # absent, or built for another protobuf/grpcio: use ours
-        return (importlib.import_module(f"gear_client._proto.{generated}_pb2"),
-                importlib.import_module(f"gear_client._proto.{generated}_pb2_grpc"))
+        return (importlib.import_module(f"gear_contract._proto.{generated}_pb2"),
+                importlib.import_module(f"gear_contract._proto.{generated}_pb2_grpc"))
 
 
 health_pb2, health_pb2_grpc = _load("grpc_health.v1.health", "health")

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server import health, sd_notify
 from gear_server.auth import AuthSettings
 from gear_server.checkpoint import Checkpointer, CheckpointError, CheckpointSettings, TableState

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
 
 

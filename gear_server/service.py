@@ -28,8 +28,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.wire import length_prefix
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.wire import encode_sample_response
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
 
 log = logging.getLogger(__name__)
@@ -161,38 +161,6 @@ def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> Any:
 
 
 # ------------------------------------------------------------ sample encoding ----
-
-_TAG_BATCH = 0x0A      # SampleResponse.batch = 1
-_TAG_COLUMNS = 0x12    # SampleBatch.columns = 2
-_TAG_DATA = 0x1A       # Tensor.data = 3
-
-
-def encode_sample_response(infos: list[pb.SampleInfo], lengths: np.ndarray, structure: pb.Structure,
-                           squeeze: list[bool], columns: list[tuple[np.dtype, tuple[int, ...], list]]) -> bytes:
-    """A serialized SampleResponse whose column data are joined from buffers without intermediate copies.
-
-    ``columns``: per column (dtype, per-step shape, list of bytes-like parts whose
-    concatenation is the items' steps). ``lengths``: int32 [items, columns].
-    Protobuf merges repeated occurrences of an embedded message field, so the
-    small fields are serialized by protobuf and the columns appended by hand.
-    """
-    head = pb.SampleBatch(info=infos, lengths=lengths.reshape(-1).tolist(), structure=structure,
-                          squeeze=squeeze).SerializeToString()
-    pieces: list[Any] = [None, head]
-    batch_len = len(head)
-    totals = lengths.sum(axis=0) if lengths.size else np.zeros(len(columns), np.int64)
-    for c, (dtype, shape, parts) in enumerate(columns):
-        nbytes = sum(memoryview(p).nbytes for p in parts)
-        tensor_head = pb.Tensor(dtype=dtype.str, shape=[int(totals[c]), *shape]).SerializeToString()
-        data_prefix = length_prefix(_TAG_DATA, nbytes)
-        tensor_len = len(tensor_head) + len(data_prefix) + nbytes
-        column_prefix = length_prefix(_TAG_COLUMNS, tensor_len) + tensor_head + data_prefix
-        pieces.append(column_prefix)
-        pieces.extend(parts)
-        batch_len += len(column_prefix) + nbytes
-    pieces[0] = length_prefix(_TAG_BATCH, batch_len)
-    return b"".join(pieces)
-
 
 def items_per_message(item_bytes: int) -> int:
     """How many items of ``item_bytes`` bytes go in one SampleResponse."""

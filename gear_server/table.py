@@ -1,6 +1,6 @@
 """A replay table: items in shared-memory slots, metadata arrays, Reverb semantics.
 
-Each item occupies one slot of a segment laid out by ``gear_client.layout``:
+Each item occupies one slot of a segment laid out by ``gear_contract.layout``:
 per column, ``capacity`` slots of up to ``max_length`` steps (per-slot,
 per-column lengths kept in ``meta.length``). ``capacity = max_size + spare``: a
 deleted item's slot is not reused while a reader holds a lease on it, and the
@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.layout import TableLayout
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
 from gear_server.rate_limiter import RateLimiter, deadline_after
 from gear_server.selectors import make_selector

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import gear_client as reverb
-from gear_client import specs
-from gear_client._proto import replay_pb2 as pb
-from gear_client.client import decode_sample_response
+from gear_contract import specs
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.wire import decode_sample_response
 
 PROMPT_S = 10.0
 Step = collections.namedtuple("Step", "obs extra")

@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from gear_client.layout import ALIGNMENT, TableLayout
+from gear_contract.layout import ALIGNMENT, TableLayout
 
 
 def _layout(capacity: int = 5) -> TableLayout:

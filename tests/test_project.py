@@ -25,7 +25,7 @@ def test_every_package_is_listed_in_pyproject():
     listed = set(config["packages"])
     mapping = config.get("package-dir", {})
     on_disk = set()
-    for top in ("gear_client", "gear_server", "kernels"):
+    for top in ("gear_contract", "gear_kernels", "gear_server", "gear_client"):
         for init in (ROOT / top).rglob("__init__.py"):
             parts = list(init.parent.relative_to(ROOT).parts)
             for name, folder in mapping.items():
@@ -36,7 +36,7 @@ def test_every_package_is_listed_in_pyproject():
 
 
 def test_generated_modules_import_on_their_own():
-    code = "from gear_client._proto import replay_pb2, replay_pb2_grpc; print(replay_pb2.Tensor.DESCRIPTOR.full_name)"
+    code = "from gear_contract._proto import replay_pb2, replay_pb2_grpc; print(replay_pb2.Tensor.DESCRIPTOR.full_name)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "gear.v1.Tensor"

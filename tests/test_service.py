@@ -16,10 +16,11 @@ import grpc
 import numpy as np
 import pytest
 
-from gear_client import rate_limiters, selectors
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
-from gear_client.client import CHANNEL_OPTIONS, decode_sample_response
+from gear_contract import rate_limiters, selectors
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
+from gear_contract.channel import CHANNEL_OPTIONS
+from gear_contract.wire import decode_sample_response
 from gear_server.daemon import Daemon
 
 LEAF = pb.Structure(kind=pb.Structure.LEAF)
@@ -151,7 +152,7 @@ def test_sample_packs_several_items_per_message_and_both_decoders_agree(stub, ch
         np.testing.assert_array_equal(fast.columns[0], column)
         for i in range(fast.num_items):
             (leaf,) = fast.item_columns(i)
-            assert leaf.shape == (2, 3) and np.all(leaf == (int(fast.info(i).key) - 100))
+            assert leaf.shape == (2, 3) and np.all(leaf == (int(fast.infos[i].key) - 100))
 
 
 def test_mutate_priorities_reset_server_info_and_rate_limiter_check(stub, daemon):

@@ -1,4 +1,4 @@
-"""Generate the control-plane modules from protos/ into gear_client/_proto/.
+"""Generate the control-plane modules from protos/ into gear_contract/_proto/.
 
 The generated modules are committed (the GPU machine has no grpcio-tools);
 ``--check`` regenerates into a temporary folder and fails when the committed
@@ -16,8 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT_DIR = ROOT / "gear_client" / "_proto"
-# (proto path relative to protos/, module stem in gear_client/_proto/). The
+OUT_DIR = ROOT / "gear_contract" / "_proto"
+# (proto path relative to protos/, module stem in gear_contract/_proto/). The
 # grpc/ protos are the standard health and reflection services (gear_server/health.py);
 # the two reflection versions share a file name, hence the explicit stems.
 PROTOS = [

@@ -9,7 +9,7 @@ gRPC messages). ``PlaneSampler`` does all of it for one table; the datasets and
 """
 
 from gear_client.data_planes.batch import SampledBatch
-from gear_client.data_planes.negotiation import INLINE, PLANES, RDMA, SHM, local_host_id
 from gear_client.data_planes.sampler import PlaneSampler, StaleBatchError
+from gear_contract.negotiation import INLINE, PLANES, RDMA, SHM, local_host_id
 
 __all__ = ["INLINE", "PLANES", "RDMA", "SHM", "PlaneSampler", "SampledBatch", "StaleBatchError", "local_host_id"]

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from gear_client import nest
-from gear_client._proto import replay_pb2 as pb
 from gear_client.data_planes.range_planning import BatchLayout
-from gear_client.layout import TableLayout
 from gear_client.replay_sample import ReplaySample, SampleInfo
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
 
 
 @dataclass

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
 from gear_client.data_planes.batch import BufferPool, SampledBatch, column_arrays, info_arrays
 from gear_client.data_planes.range_planning import BatchLayout, WindowSpec, resolve_windows, window_bounds, window_steps
-from gear_client.layout import TableLayout
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
 
 
 def layout_from_batch(table: str, view, max_lengths: list[int]) -> TableLayout:
@@ -28,7 +28,7 @@ def layout_from_batch(table: str, view, max_lengths: list[int]) -> TableLayout:
 
 def view_of(batch: pb.SampleBatch):
     """A SampleBatchView of a parsed SampleBatch (when the raw stream is not at hand)."""
-    from gear_client.client import SampleBatchView
+    from gear_contract.wire import SampleBatchView
 
     columns = [np.frombuffer(t.data, dtype=np.dtype(t.dtype)).reshape(tuple(t.shape)) for t in batch.columns]
     return SampleBatchView(batch, columns)
@@ -103,7 +103,7 @@ class InlinePlane:
 
     def _views(self, request: pb.SampleRequest):
         if self._sample_call is not None:
-            from gear_client.client import decode_sample_response
+            from gear_contract.wire import decode_sample_response
 
             self._call = call = self._sample_call(request, metadata=self._metadata, wait_for_ready=True)
             return (decode_sample_response(raw) for raw in call)

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from gear_contract.layout import TableLayout, align_up
 from gear_kernels import Window, twins
 from gear_kernels.gather import OUT_ALIGNMENT
-
-from gear_client.layout import TableLayout, align_up
 
 REMOTE, LOCAL, LENGTH = 0, 1, 2
 

@@ -21,8 +21,6 @@ from typing import Protocol
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.data_planes import addressing
 from gear_client.data_planes.batch import BufferPool, Pending, SampledBatch, column_arrays
 from gear_client.data_planes.range_planning import (
     LENGTH,
@@ -38,7 +36,9 @@ from gear_client.data_planes.range_planning import (
     window_steps,
 )
 from gear_client.data_planes.session import ItemSelection, PlaneSession
-from gear_client.layout import TableLayout
+from gear_contract import addressing
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
 
 DEFAULT_NUM_QPS = 4
 DEFAULT_CHAIN_LENGTH = 16  # READs per signalled chain
@@ -111,7 +111,7 @@ class VerbsConnection:
 
     def __init__(self, port: addressing.PortInfo, *, num_qps: int = DEFAULT_NUM_QPS,
                  max_send_wr: int = DEFAULT_MAX_SEND_WR):
-        from gear_client.data_planes import verbs
+        from gear_contract import verbs
 
         self.port = port
         self.device = verbs.Device(port, responder=False)

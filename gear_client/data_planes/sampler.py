@@ -29,13 +29,13 @@ from typing import Any
 import grpc
 
 from gear_client import errors
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
-from gear_client.data_planes import negotiation
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.session import PendingSelect, PlaneSession
-from gear_client.layout import TableLayout
+from gear_contract import negotiation
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
+from gear_contract.layout import TableLayout
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def connect(target: Any) -> tuple[Any, Any, Any]:
         return stub, sample_call, None
     if isinstance(target, str):
         from gear_client.auth import ChannelSecurity
-        from gear_client.client import CHANNEL_OPTIONS
+        from gear_contract.channel import CHANNEL_OPTIONS
 
         # An address alone: token and TLS come from the GEAR_* environment (gear_client/auth.py).
         channel = ChannelSecurity.build().channel(target, options=CHANNEL_OPTIONS)
@@ -155,7 +155,7 @@ class PlaneSampler:
         return self._rdma_connection_factory()
 
     def _verbs_connection(self):
-        from gear_client.data_planes import verbs
+        from gear_contract import verbs
 
         port = verbs.probe(self.rdma_device)
         if port is None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.layout import TableLayout
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
 
 
 @dataclass

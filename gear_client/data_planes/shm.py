@@ -30,7 +30,7 @@ from gear_client.data_planes.range_planning import (
     window_bounds,
     window_steps,
 )
-from gear_client.layout import TableLayout
+from gear_contract.layout import TableLayout
 
 # Item bytes from which one memcpy per item beats a vectorised take (measured on x86-64).
 MEMCPY_ITEM_BYTES = 16 << 10

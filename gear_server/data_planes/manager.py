@@ -1,7 +1,7 @@
 """DataPlaneManager: the daemon's handlers for OpenDataPlane, Select, Release and CloseDataPlane.
 
 ``ReplayService`` delegates the four RPCs here. ``open`` negotiates the plane
-(gear_client.data_planes.negotiation) and returns what it needs: the table
+(gear_contract.negotiation) and returns what it needs: the table
 layout for shm (the learner maps the segment), the layout plus the daemon's
 queue pairs and the segment's memory region for rdma, nothing for inline (the
 learner then samples with the Sample RPC). ``select`` samples like the Sample
@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.data_planes import negotiation
+from gear_contract import negotiation
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.data_planes.sessions import SessionNotFoundError, SessionRegistry
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
 

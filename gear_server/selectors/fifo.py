@@ -12,7 +12,7 @@ from collections import deque
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors.lazy import LazyDeletion
 
 

@@ -12,7 +12,7 @@ import heapq
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors.lazy import LazyDeletion
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors.base import Selector
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors.fifo import InsertionOrder
 
 

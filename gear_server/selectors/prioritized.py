@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from gear_kernels.offload import WeightOffload
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors.base import Selector
+from gear_server.selectors.offload import WeightOffload
 from gear_server.selectors.uniform import Uniform
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors.base import Selector
 
 

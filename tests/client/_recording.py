@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gear_client import nest
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc
 
 
 @dataclass

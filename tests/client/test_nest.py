@@ -8,8 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from gear_client import nest
-from gear_client._proto import replay_pb2 as pb
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
 
 Point = collections.namedtuple("Point", ["x", "y"])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gear_client import specs
-from gear_client._proto import replay_pb2 as pb
+from gear_contract import specs
+from gear_contract._proto import replay_pb2 as pb
 
 
 class FakeTFDType:

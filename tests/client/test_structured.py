@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from gear_client import structured
-from gear_client._proto import replay_pb2 as pb
-from gear_client.specs import TensorSpec
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.specs import TensorSpec
 
 from ._recording import FakeClient
 

@@ -16,10 +16,10 @@ import grpc
 import numpy as np
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
 from gear_client.errors import DeadlineExceededError
-from gear_client.specs import TensorSpec, signature_to_proto
 from gear_client.trajectory_writer import TrajectoryColumn, TrajectoryWriter
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.specs import TensorSpec, signature_to_proto
 
 from ._recording import FakeClient, LoopbackServer
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.wire import encode_varint, length_prefix, read_varint, skip_field
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.wire import encode_varint, length_prefix, read_varint, skip_field
 
 VALUES = [1, 127, 128, 300, 16383, 16384, 2**21, 2**35 + 7, 2**63 - 1, 2**64 - 1]
 

@@ -7,8 +7,8 @@ import collections
 import numpy as np
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
 from gear_client.writer import Writer
+from gear_contract._proto import replay_pb2 as pb
 
 from ._recording import FakeClient
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gear_client as reverb
-from gear_client.specs import TensorSpec
+from gear_contract.specs import TensorSpec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -180,14 +180,14 @@ def raw_channel(server):
 
 
 def raw_stub(server):
-    from gear_client._proto import replay_pb2_grpc
+    from gear_contract._proto import replay_pb2_grpc
 
     return replay_pb2_grpc.ReplayServiceStub(raw_channel(server))
 
 
 def tensor(array: np.ndarray):
     """A gear.v1.Tensor holding ``array`` as a raw buffer."""
-    from gear_client._proto import replay_pb2 as pb
+    from gear_contract._proto import replay_pb2 as pb
 
     a = np.ascontiguousarray(array)
     return pb.Tensor(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
@@ -200,7 +200,7 @@ def insert_request(table: str, *, key: int, priority: float, data: np.ndarray, c
     The item is what ``client.insert(data, {table: priority})`` creates: one leaf,
     one step, with its time dimension.
     """
-    from gear_client._proto import replay_pb2 as pb
+    from gear_contract._proto import replay_pb2 as pb
 
     chunk = pb.ChunkData(chunk_key=chunk_key, data=tensor(np.asarray(data)[None]), episode_id=episode_id,
                          episode_step=0)

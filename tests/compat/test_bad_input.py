@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(BACKEND == "reverb", reason="gear's wire protoco
 if BACKEND != "reverb":
     import grpc
 
-    from gear_client._proto import replay_pb2 as pb
+    from gear_contract._proto import replay_pb2 as pb
 
 SEEDED = ("items", "signed", "fixed_len")
 OBS = np.arange(6, dtype=np.float32).reshape(3, 2)

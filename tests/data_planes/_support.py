@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gear_client import nest
-from gear_client._proto import replay_pb2 as pb
-from gear_client.data_planes import addressing
 from gear_client.data_planes.rdma import DEFAULT_MAX_SEND_WR
-from gear_client.data_planes.verbs import Completion, Region
+from gear_contract import addressing, nest
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.verbs import Completion, Region
 from gear_server.daemon import Daemon
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.table import ItemToInsert

@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 import pytest
-from gear_kernels import Window
 
 import gear_client as reverb
 from gear_client.data_planes.batch import BufferPool
+from gear_kernels import Window
 
 from ._support import check_batch, fill, item_ok, start_daemon, table_config
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gear_kernels import Window, gpu_available
 
 import gear_client as reverb
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_client.data_planes.shm import ShmPlane
+from gear_kernels import Window, gpu_available
 
 from ._support import ACTION, check_batch, fill, start_daemon, table_config
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
-from gear_client.data_planes import negotiation as neg
 from gear_client.data_planes.sampler import PlaneSampler
+from gear_contract import negotiation as neg
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
 
 from ._support import EmulatedRdmaServer, emulated_port, fill, start_daemon, table_config
 

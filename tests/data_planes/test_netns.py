@@ -27,7 +27,8 @@ STEP_S = 20
 _LEARNER = """
 import json, sys
 import gear_client as reverb
-from gear_client.data_planes import local_host_id, verbs
+from gear_contract import verbs
+from gear_contract.negotiation import local_host_id
 from gear_client.data_planes.sampler import PlaneSampler
 from tests.data_planes._support import check_batch, item_ok
 address = sys.argv[1]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gear_kernels import Window, gather_numpy
-from gear_kernels.gather import output_plan
 
 from gear_client.data_planes.range_planning import (
     LENGTH,
@@ -23,7 +21,9 @@ from gear_client.data_planes.range_planning import (
     window_bounds,
     window_steps,
 )
-from gear_client.layout import TableLayout
+from gear_contract.layout import TableLayout
+from gear_kernels import Window, gather_numpy
+from gear_kernels.gather import output_plan
 
 
 def layout(capacity: int = 16, max_length: int = 8, squeeze_last: bool = False) -> TableLayout:

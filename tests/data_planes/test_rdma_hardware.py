@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gear_client.data_planes import verbs
 from gear_client.data_planes.sampler import PlaneSampler
+from gear_contract import verbs
 
 from ._support import check_batch, fill, start_daemon, table_config
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gear_kernels import Window
 
-from gear_client._proto import replay_pb2 as pb
 from gear_client.data_planes.range_planning import ReadPlan, chain, spread
 from gear_client.data_planes.rdma import RdmaReadError, execute_plan
 from gear_client.data_planes.sampler import PlaneSampler
+from gear_contract._proto import replay_pb2 as pb
+from gear_kernels import Window
 
 from ._support import EmulatedConnection, EmulatedRdmaServer, check_batch, fill, insert, start_daemon, table_config
 

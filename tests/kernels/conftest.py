@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from gear_kernels import gpu_available
 
 POISON = 0xA5

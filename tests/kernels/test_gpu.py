@@ -14,6 +14,8 @@ import tempfile
 
 import numpy as np
 import pytest
+
+from gear_contract.layout import ColumnLayout, TableLayout
 from gear_kernels import (
     CounterRng,
     HostRegistration,
@@ -30,8 +32,6 @@ from gear_kernels import (
     top_k,
     weighted_sample,
 )
-
-from gear_client.layout import ColumnLayout, TableLayout
 
 from ._stats import P_MIN, chi_square_p, counts
 

@@ -6,6 +6,8 @@ import mmap
 
 import numpy as np
 import pytest
+
+from gear_contract.layout import TableLayout
 from gear_kernels import (
     CounterRng,
     Window,
@@ -21,8 +23,6 @@ from gear_kernels import (
     weighted_sample,
 )
 from gear_kernels import rng as krng
-
-from gear_client.layout import TableLayout
 
 from ._stats import P_MIN, chi_square_p, counts
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_server.table import ItemToInsert
 
 REPLAY = pb.DESCRIPTOR.services_by_name["ReplayService"]

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.checkpoint import COMPLETE, MANIFEST, REFUSED, Checkpointer, CheckpointError, CheckpointSettings
 from gear_server.operations import restore_table, table_state
 from gear_server.storage import SegmentStore

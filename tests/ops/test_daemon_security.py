@@ -11,9 +11,9 @@ import pytest
 
 import gear_client
 from gear_client import errors
-from gear_client._proto import replay_pb2 as pb
-from gear_client._proto import replay_pb2_grpc as pb_grpc
 from gear_client.auth import ChannelSecurity
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_server import health
 
 from ._support import DaemonProcess, call_method, drain_queue, insert_items, replay_methods, tables_toml

@@ -10,7 +10,7 @@ import urllib.request
 import grpc
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.auth import AuthSettings
 from gear_server.logs import ErrorSummary
 from gear_server.metrics import CONTENT_TYPE, MetricsServer, MetricsSettings, Registry, RpcObserver, ServerMetrics

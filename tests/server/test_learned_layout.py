@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.table import ItemToInsert
 from tests.server.conftest import LEAF, OBS_ACT, check_item_data, item, make_table
 

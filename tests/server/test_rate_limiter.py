@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import RateLimiterTimeout, TableClosedError
 from gear_server.rate_limiter import RateLimiter, deadline_after
 from tests.server.conftest import MAX_FLOAT, MIN_FLOAT, item, make_table

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform, make_selector
 from gear_server.selectors.prioritized import block_size_for
 from tests.server.conftest import chi2_critical, chi2_statistic

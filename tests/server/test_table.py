@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import RateLimiterTimeout, TableClosedError
 from gear_server.table import ItemToInsert, Table, TableSnapshot, count_leaves, leaf_paths
 from tests.server.conftest import (

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gear_client._proto import replay_pb2 as pb
-from gear_client.data_planes.addressing import (
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.addressing import (
     GID_TYPE_IB,
     GID_TYPE_ROCE_V1,
     GID_TYPE_ROCE_V2,

@@ -1,7 +1,6 @@
 """GPU selection and collection kernels (CuPy RawKernels) with NumPy twins.
 
-Installed as ``gear_kernels`` (the source folder is ``kernels/``). Every
-kernel has a NumPy twin with the same semantics; functions take NumPy arrays
+Every kernel has a NumPy twin with the same semantics; functions take NumPy arrays
 (twin) or CuPy arrays (GPU) and dispatch on them. See docs/KERNELS.md.
 """
 

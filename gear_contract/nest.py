@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = [
     "is_namedtuple",

@@ -23,7 +23,7 @@ import os
 import socket
 from collections.abc import Iterable
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 
 SHM = "shm"
 RDMA = "rdma"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = ["Fifo", "Lifo", "MaxHeap", "MinHeap", "Prioritized", "Uniform", "SelectorType", "from_proto"]
 

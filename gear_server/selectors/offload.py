@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from . import twins
-from ._backend import gpu_available, require_cupy, staging
-from .rng import CounterRng
+from gear_kernels import CounterRng, gpu_available, twins
+from gear_kernels._backend import require_cupy, staging
 
 BACKEND_ENV = "GEAR_SELECTION_BACKEND"
 BACKENDS = ("auto", "cpu", "twin", "gpu")
@@ -147,7 +146,7 @@ class WeightOffload:
                 self._host_valid = np.ones(self.capacity, dtype=bool)
             return twins.weighted_sample(self.weights, self._host_valid, n, counter_rng.state,
                                          counter_rng.take(n), 1.0)
-        from .selection import weighted_sample
+        from gear_kernels import weighted_sample
 
         with self._lock:
             self._sync()

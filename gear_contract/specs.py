@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from gear_client import nest
-from gear_client._proto import replay_pb2 as pb
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = [
     "TensorSpec",

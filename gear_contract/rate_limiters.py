@@ -11,7 +11,7 @@ import logging
 import math
 import sys
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio", "Queue", "Stack", "from_proto"]
 

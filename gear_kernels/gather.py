@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gear_client.layout import ColumnLayout, TableLayout
+from gear_contract.layout import ColumnLayout, TableLayout
 
 from . import twins
 from ._backend import is_device_array, kernel, require_cupy, staging

@@ -15,7 +15,7 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gear_client._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2 as pb
 
 LINK_IB = "IB"
 LINK_ETHERNET = "Ethernet"

@@ -1,0 +1,214 @@
+"""Protobuf wire-format pieces written and read by hand around raw buffers.
+
+The insert and sample paths frame multi-MiB column buffers themselves so the
+bytes are copied once (protobuf would copy them into and out of messages);
+everything small is still encoded by protobuf. Field numbers come from
+protos/gear/v1/replay.proto.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from gear_contract._proto import replay_pb2 as pb
+
+_VARINT1 = [bytes((i,)) for i in range(128)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode_varint_long(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_varint(n: int) -> bytes:
+    """Base-128 varint of a non-negative int (small values from a table: this is on hot paths)."""
+    if n < 0x80:
+        return _VARINT1[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    return _encode_varint_long(n)
+
+
+def length_prefix(tag_byte: int, length: int) -> bytes:
+    """A length-delimited field's key (field numbers < 16) and its length."""
+    return bytes((tag_byte,)) + encode_varint(length)
+
+
+def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it); ValueError on a truncated or over-long varint."""
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint in sample response")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long in sample response")
+
+
+def skip_field(buf: memoryview, pos: int, wire_type: int) -> int:
+    """Position after a field's value of the given wire type."""
+    if wire_type == 0:
+        return read_varint(buf, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        length, pos = read_varint(buf, pos)
+        return pos + length
+    if wire_type == 5:
+        return pos + 4
+    raise ValueError(f"unsupported wire type {wire_type} in sample response")
+
+
+# ------------------------------------------------------------ sample responses ----
+
+_TAG_BATCH = 0x0A      # SampleResponse.batch = 1
+_TAG_COLUMNS = 0x12    # SampleBatch.columns = 2
+_TAG_DATA = 0x1A       # Tensor.data = 3
+
+
+def encode_sample_response(infos: list[pb.SampleInfo], lengths: np.ndarray, structure: pb.Structure,
+                           squeeze: list[bool], columns: list[tuple[np.dtype, tuple[int, ...], list]]) -> bytes:
+    """A serialized SampleResponse whose column data are joined from buffers without intermediate copies.
+
+    ``columns``: per column (dtype, per-step shape, list of bytes-like parts whose
+    concatenation is the items' steps). ``lengths``: int32 [items, columns].
+    Protobuf merges repeated occurrences of an embedded message field, so the
+    small fields are serialized by protobuf and the columns appended by hand.
+    """
+    head = pb.SampleBatch(info=infos, lengths=lengths.reshape(-1).tolist(), structure=structure,
+                          squeeze=squeeze).SerializeToString()
+    pieces: list[Any] = [None, head]
+    batch_len = len(head)
+    totals = lengths.sum(axis=0) if lengths.size else np.zeros(len(columns), np.int64)
+    for c, (dtype, shape, parts) in enumerate(columns):
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        tensor_head = pb.Tensor(dtype=dtype.str, shape=[int(totals[c]), *shape]).SerializeToString()
+        data_prefix = length_prefix(_TAG_DATA, nbytes)
+        tensor_len = len(tensor_head) + len(data_prefix) + nbytes
+        column_prefix = length_prefix(_TAG_COLUMNS, tensor_len) + tensor_head + data_prefix
+        pieces.append(column_prefix)
+        pieces.extend(parts)
+        batch_len += len(column_prefix) + nbytes
+    pieces[0] = length_prefix(_TAG_BATCH, batch_len)
+    return b"".join(pieces)
+
+
+class SampleBatchView:
+    """A decoded SampleResponse: infos, per-item lengths and column arrays viewing the message bytes."""
+
+    __slots__ = ("infos", "lengths", "structure", "squeeze", "columns", "starts", "num_items")
+
+    def __init__(self, batch: pb.SampleBatch, columns: list[np.ndarray]):
+        self.infos = batch.info
+        self.num_items = len(batch.info)
+        n_cols = len(columns)
+        self.lengths = np.asarray(batch.lengths, np.int64).reshape(self.num_items, n_cols) if n_cols else \
+            np.zeros((self.num_items, 0), np.int64)
+        self.structure = batch.structure
+        self.squeeze = list(batch.squeeze) + [False] * (n_cols - len(batch.squeeze))
+        self.columns = columns
+        self.starts = np.zeros_like(self.lengths)
+        if self.num_items:
+            np.cumsum(self.lengths[:-1], axis=0, out=self.starts[1:])
+            for c, col in enumerate(columns):
+                if col.shape[0] != int(self.lengths[:, c].sum()):
+                    raise ValueError(f"sample batch column {c} holds {col.shape[0]} steps, lengths say "
+                                     f"{int(self.lengths[:, c].sum())}")
+
+    def item_columns(self, i: int) -> list[np.ndarray]:
+        """Item i's leaves: [T, *shape] (squeezed columns: [*shape])."""
+        out = []
+        for c, col in enumerate(self.columns):
+            start = int(self.starts[i, c])
+            if self.squeeze[c]:
+                out.append(col[start, ...])  # an array (0-d for scalars), not a numpy scalar
+            else:
+                out.append(col[start:start + int(self.lengths[i, c])])
+        return out
+
+
+def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarray:
+    """A Tensor message in raw[start:end] -> an array viewing its data bytes (no copy)."""
+    dtype_text = ""
+    shape: list[int] = []
+    data_at, data_len = start, 0
+    pos = start
+    while pos < end:
+        key, pos = read_varint(buf, pos)
+        field, wire_type = key >> 3, key & 7
+        if field == 1 and wire_type == 2:
+            length, pos = read_varint(buf, pos)
+            dtype_text = bytes(buf[pos:pos + length]).decode()
+            pos += length
+        elif field == 2 and wire_type == 2:  # packed shape
+            length, pos = read_varint(buf, pos)
+            stop = pos + length
+            while pos < stop:
+                d, pos = read_varint(buf, pos)
+                shape.append(d)
+        elif field == 2 and wire_type == 0:
+            d, pos = read_varint(buf, pos)
+            shape.append(d)
+        elif field == 3 and wire_type == 2:
+            data_len, pos = read_varint(buf, pos)
+            data_at = pos
+            pos += data_len
+        else:
+            pos = skip_field(buf, pos, wire_type)
+    if pos != end:
+        raise ValueError("malformed tensor in sample response")
+    dtype = np.dtype(dtype_text)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count * dtype.itemsize != data_len:
+        raise ValueError(f"sample tensor of shape {shape} and dtype {dtype_text} holds {data_len} bytes")
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=data_at).reshape(shape)
+
+
+def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchView:
+    """Parse a serialized SampleResponse.
+
+    Column arrays view ``raw`` (read-only, no copy), or with ``writable`` are one
+    copy per column (numpy arrays users may modify in place, as Reverb's are).
+    """
+    buf = memoryview(raw)
+    small = bytearray()  # every SampleBatch field but the columns, re-parsed by protobuf
+    columns: list[np.ndarray] = []
+    pos = 0
+    end = len(buf)
+    while pos < end:
+        key, pos = read_varint(buf, pos)
+        if key != 0x0A:  # SampleResponse.batch, length-delimited
+            pos = skip_field(buf, pos, key & 7)
+            continue
+        length, pos = read_varint(buf, pos)
+        batch_end = pos + length
+        if batch_end > end:
+            raise ValueError("truncated sample response")
+        while pos < batch_end:
+            field_start = pos
+            key, pos = read_varint(buf, pos)
+            if key == 0x12:  # SampleBatch.columns
+                length, pos = read_varint(buf, pos)
+                column = _parse_tensor(raw, buf, pos, pos + length)
+                columns.append(column.copy() if writable else column)
+                pos += length
+            else:
+                pos = skip_field(buf, pos, key & 7)
+                small += buf[field_start:pos]
+        if pos != batch_end:
+            raise ValueError("malformed sample batch")
+    return SampleBatchView(pb.SampleBatch.FromString(bytes(small)), columns)
