@@ -285,22 +285,12 @@ def bench_updates(cp, quick: bool) -> dict:
             "cpu_structure_us": None if t_cpu is None else t_cpu * 1e6}
 
 
-def bench_order(cp, quick: bool) -> list[dict]:
+def bench_uniform(cp, quick: bool) -> list[dict]:
     n = 1 << 20
-    g = np.random.default_rng(4)
-    priority = g.choice(np.linspace(0.0, 5.0, 1000), n)  # ties
-    update_seq = g.permutation(n).astype(np.int64)
     valid = np.ones(n, bool)
-    dp, du, dv = cp.asarray(priority), cp.asarray(update_seq), cp.asarray(valid)
+    dv = cp.asarray(valid)
     rows = []
     reps = 5 if quick else 20
-    for k in (1, 4096):
-        t = median_wall(lambda k=k: gk.top_k("max_priority", k, dv, priority=dp, update_seq=du).get(), reps)
-        tt = median_wall(lambda k=k: twins.top_k(0, k, valid, priority, None, update_seq), 2, 1)
-        rows.append({"op": f"top_k max_priority k={k}", "n": n, "gpu_e2e_us": t * 1e6, "twin_us": tt * 1e6})
-    t = median_wall(lambda: gk.argbest("max_priority", dv, priority=dp, update_seq=du), reps)
-    rows.append({"op": "argbest max_priority", "n": n, "gpu_e2e_us": t * 1e6,
-                 "twin_us": median_wall(lambda: twins.argbest(0, valid, priority, None, update_seq), 2, 1) * 1e6})
     rng = gk.CounterRng(2)
     t = median_wall(lambda: gk.weighted_sample(None, dv, 4096, rng, uniform=True, host=True), reps)
     rows.append({"op": "uniform B=4096", "n": n, "gpu_e2e_us": t * 1e6,
@@ -363,8 +353,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--json", help="write the figures here too")
-    parser.add_argument("--sections", default="diag,gather,select,update,order,crossover",
-                        help="comma-separated: diag,gather,select,update,order,crossover")
+    parser.add_argument("--sections", default="diag,gather,select,update,uniform,crossover",
+                        help="comma-separated: diag,gather,select,update,uniform,crossover")
     args = parser.parse_args()
     if not gk.gpu_available():
         print("bench_gpu: no usable GPU (CuPy and a CUDA device are needed)", file=sys.stderr)
@@ -410,10 +400,10 @@ def main() -> int:
         print(f"GPU e2e {u['gpu_e2e_us']:.1f} us (no graph {u['gpu_e2e_no_graph_us']:.1f} us; device "
               f"{u['gpu_device_us']:.1f} us), twin {u['twin_us']:.0f} us, "
               f"CPU structure {cpu} us")
-    if "order" in sections:
-        result["order"] = bench_order(cp, args.quick)
-        print("\norder-based selection over 1M")
-        for r in result["order"]:
+    if "uniform" in sections:
+        result["uniform"] = bench_uniform(cp, args.quick)
+        print("\nuniform selection over 1M")
+        for r in result["uniform"]:
             print(f"{r['op']:>26}: GPU e2e {r['gpu_e2e_us']:.0f} us, twin {r['twin_us']:.0f} us")
     if "crossover" in sections:
         rows = result["crossover"] = bench_crossover(cp, args.quick)

@@ -26,26 +26,12 @@ from .rng import CounterRng
 USE_GRAPHS = True
 
 SCAN_TILE = twins.SCAN_TILE
-KEY_MODES = twins.KEY_MODES
 
 # Mirrors select.cu.
-_RS_REMAINING, _RS_EQ, _RS_CANDIDATES, _RS_WORDS = 2, 6, 7, 8
-_RADIX_PASSES = 8
 _SEARCH_THREADS = 64  # select.cu SEARCH_THREADS
 _FUSED_SCATTER_MAX = 1 << 16  # batches up to this many entries take one launch (the last block writes them all)
 _FIELDS = {"priority": (1, np.float64), "update_seq": (2, np.int64), "insert_seq": (4, np.int64),
            "valid": (8, np.bool_), "times_sampled": (16, np.int32)}
-
-
-def _mode(mode: int | str) -> int:
-    if isinstance(mode, str):
-        try:
-            return KEY_MODES[mode]
-        except KeyError:
-            raise ValueError(f"unknown selection order {mode!r}; expected one of {sorted(KEY_MODES)}") from None
-    if mode not in KEY_MODES.values():
-        raise ValueError(f"unknown selection order {mode!r}")
-    return int(mode)
 
 
 class _Workspace:
@@ -60,10 +46,6 @@ class _Workspace:
         self.block_prefix = cp.empty(nb + 1, dtype=cp.float64)
         self.count_prefix = cp.empty(nb + 1, dtype=cp.int64)
         self.counters = cp.zeros(4, dtype=cp.uint32)  # "last block" tickets, zero between launches
-        self.hist = cp.zeros(256, dtype=cp.uint32)
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.grid = int(max(1, min(-(-n // 256), 4 * sms)))
-        self.partial = cp.empty(4 * self.grid, dtype=cp.uint64)
         self.winner = None
         self.epoch = 0
         self.lock = threading.Lock()
@@ -168,101 +150,6 @@ def _weighted_replayed(cp: Any, prio: Any, valid: Any, n: int, exponent: float, 
         replay.run()
         both = replay.host_out[:16 * batch]
         return both[:8 * batch].view(np.int64).copy(), both[8 * batch:].view(np.float64).copy()
-
-
-def top_k(mode: int | str, k: int, valid: Any, *, priority: Any = None, insert_seq: Any = None,
-          update_seq: Any = None, rng: CounterRng | None = None) -> Any:
-    """The k valid slots that come first in the given order, best first (int64[k]).
-
-    Orders: "max_priority"/"min_priority" (Reverb's heaps: ties go to the item
-    least recently inserted or updated, then the lowest slot), "oldest"/"newest"
-    (FIFO/LIFO by insert_seq), "random" (a uniform random k-subset in random
-    order: uniform sampling without replacement; takes len(valid) counters of
-    rng). k larger than the number of valid slots: ValueError.
-    """
-    m = _mode(mode)
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    state = counter0 = 0
-    if m == twins.KEY_RANDOM:
-        if rng is None:
-            raise ValueError("the random order needs an rng")
-        state, counter0 = rng.state, rng.take(valid.shape[0])
-    if not is_device_array(valid):
-        return twins.top_k(m, k, valid, priority, insert_seq, update_seq, state, counter0)
-    cp = require_cupy()
-    n = valid.shape[0]
-    prio, iseq, useq = _order_inputs(cp, m, n, valid, priority, insert_seq, update_seq)
-    if k == 0:
-        return cp.empty(0, dtype=cp.int64)
-    ws = _workspace(cp, n)
-    init = np.zeros(_RS_WORDS, dtype=np.uint64)
-    init[_RS_REMAINING] = k
-    with ws.lock:
-        (state_dev,) = staging().upload([init])
-        level = 0
-        for level in range(3):
-            for p in range(_RADIX_PASSES):
-                kernel("select", "gear_radix_pass")(
-                    (ws.grid,), (256,),
-                    (np.int32(m), np.int32(level), np.int32(p), np.int64(n), valid, prio, iseq, useq,
-                     np.uint64(state), np.uint64(counter0), state_dev, ws.hist, ws.counters[1:2]))
-            st = state_dev.get()
-            if level == 0 and k > int(st[_RS_CANDIDATES]):
-                raise ValueError(f"top_k: k={k} exceeds the {int(st[_RS_CANDIDATES])} valid slots")
-            if st[_RS_EQ] == st[_RS_REMAINING]:
-                break
-        count = cp.zeros(1, dtype=cp.uint32)
-        slots = cp.empty(k, dtype=cp.int64)
-        keys = cp.empty((3, k), dtype=cp.uint64)
-        kernel("select", "gear_topk_collect")(
-            (ws.grid,), (256,),
-            (np.int32(m), np.int32(level), np.int64(n), valid, prio, iseq, useq, np.uint64(state),
-             np.uint64(counter0), state_dev, np.int64(k), count, slots, keys))
-    got = int(count.get()[0])
-    if got != k:
-        raise RuntimeError(f"top_k collected {got} slots instead of {k} (metadata changed during selection?)")
-    order = cp.lexsort(cp.ascontiguousarray(~keys[::-1]))
-    return slots[order]
-
-
-def sample_without_replacement(valid: Any, k: int, rng: CounterRng) -> Any:
-    """k distinct valid slots, uniformly at random (each k-subset equally likely), in random order."""
-    return top_k("random", k, valid, rng=rng)
-
-
-def argbest(mode: int | str, valid: Any, *, priority: Any = None, insert_seq: Any = None,
-            update_seq: Any = None) -> int:
-    """The first valid slot in the given order (a heap's top, FIFO's oldest, LIFO's newest); -1 if none."""
-    m = _mode(mode)
-    if m == twins.KEY_RANDOM:
-        raise ValueError("argbest has no random order; use weighted_sample(uniform=True)")
-    if not is_device_array(valid):
-        return twins.argbest(m, valid, priority, insert_seq, update_seq)
-    cp = require_cupy()
-    n = valid.shape[0]
-    prio, iseq, useq = _order_inputs(cp, m, n, valid, priority, insert_seq, update_seq)
-    if n == 0:
-        return -1
-    ws = _workspace(cp, n)
-    out = cp.empty(1, dtype=cp.int64)
-    with ws.lock:
-        kernel("select", "gear_argbest")(
-            (ws.grid,), (256,),
-            (np.int32(m), np.int64(n), valid, prio, iseq, useq, ws.partial, ws.counters[2:3], out))
-    return int(out.get()[0])
-
-
-def _order_inputs(cp: Any, m: int, n: int, valid: Any, priority: Any, insert_seq: Any, update_seq: Any):
-    _check_device(cp, "valid", valid, n, cp.bool_)
-    if m in (twins.KEY_MAX_PRIORITY, twins.KEY_MIN_PRIORITY):
-        _check_device(cp, "priority", priority, n, cp.float64)
-        _check_device(cp, "update_seq", update_seq, n, cp.int64)
-        return priority, valid, update_seq
-    if m in (twins.KEY_OLDEST, twins.KEY_NEWEST):
-        _check_device(cp, "insert_seq", insert_seq, n, cp.int64)
-        return valid, insert_seq, valid
-    return valid, valid, valid  # random: keys come from the rng alone
 
 
 def scatter(slots: Any, targets: Mapping[str, Any], values: Mapping[str, Any]) -> None:
@@ -377,19 +264,3 @@ def _scatter_replayed(cp: Any, n: int, names: list[str], targets: Mapping[str, A
             buf[offsets[i + 1]:offsets[i + 1] + count * itemsize] = host[i + 1].view(np.uint8)
         buf[epoch_at:epoch_at + 8].view(np.uint64)[0] = ws.epoch
         replay.run()
-
-
-def increment_times_sampled(times_sampled: Any, slots: Any) -> None:
-    """times_sampled[slot] += 1 for every occurrence of a slot (a slot drawn twice counts twice)."""
-    if not is_device_array(times_sampled):
-        twins.increment_times_sampled(times_sampled, slots)
-        return
-    cp = require_cupy()
-    n = times_sampled.shape[0]
-    _check_device(cp, "times_sampled", times_sampled, n, cp.int32)
-    slots_dev = slots if is_device_array(slots) else staging().upload([np.asarray(slots, dtype=np.int64)])[0]
-    slots_dev = slots_dev.astype(cp.int64, copy=False)
-    count = slots_dev.shape[0]
-    if count:
-        kernel("select", "gear_increment_times_sampled")(
-            (-(-count // 256),), (256,), (slots_dev, np.int64(count), np.int64(n), times_sampled))

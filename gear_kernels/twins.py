@@ -21,16 +21,6 @@ SCAN_THREADS = 256
 SCAN_ITEMS = 16
 SCAN_TILE = SCAN_THREADS * SCAN_ITEMS
 
-KEY_MAX_PRIORITY = 0  # highest priority; ties: least recently inserted or updated, then lowest slot
-KEY_MIN_PRIORITY = 1  # lowest priority; same ties
-KEY_OLDEST = 2  # smallest insert_seq (FIFO)
-KEY_NEWEST = 3  # largest insert_seq (LIFO)
-KEY_RANDOM = 4  # a random key per slot (uniform without replacement)
-KEY_MODES = {"max_priority": KEY_MAX_PRIORITY, "min_priority": KEY_MIN_PRIORITY, "oldest": KEY_OLDEST,
-             "newest": KEY_NEWEST, "random": KEY_RANDOM}
-
-_SIGN = np.uint64(1 << 63)
-
 
 def weights(priority: np.ndarray, valid: np.ndarray, exponent: float, uniform: bool = False) -> np.ndarray:
     """Selection weight per slot: priority**exponent for valid slots, 0 for priority 0 (any exponent)."""
@@ -137,64 +127,6 @@ def weighted_sample(priority: np.ndarray, valid: np.ndarray, batch: int, state: 
     return slots, w[slots] / total
 
 
-def order_f64(p: np.ndarray) -> np.ndarray:
-    """float64 -> uint64 keys with the same order (-0.0 taken as +0.0)."""
-    b = (np.asarray(p, dtype=np.float64) + 0.0).view(np.uint64)
-    return np.where((b >> np.uint64(63)) == 1, ~b, b | _SIGN)
-
-
-def order_i64(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype=np.int64).view(np.uint64) ^ _SIGN
-
-
-def order_keys(mode: int, slots: np.ndarray, priority=None, insert_seq=None, update_seq=None,
-               state: int = 0, counter0: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The composite key (k0, k1, k2) of the given slots; larger is picked first."""
-    slots = np.asarray(slots, dtype=np.int64)
-    not_slot = ~slots.view(np.uint64)
-    zero = np.zeros(slots.shape[0], dtype=np.uint64)
-    if mode in (KEY_MAX_PRIORITY, KEY_MIN_PRIORITY):
-        k0 = order_f64(np.asarray(priority)[slots])
-        if mode == KEY_MIN_PRIORITY:
-            k0 = ~k0
-        return k0, ~order_i64(np.asarray(update_seq)[slots]), not_slot
-    if mode == KEY_OLDEST:
-        return ~order_i64(np.asarray(insert_seq)[slots]), not_slot, zero
-    if mode == KEY_NEWEST:
-        return order_i64(np.asarray(insert_seq)[slots]), not_slot, zero
-    if mode == KEY_RANDOM:
-        if slots.shape[0] == 0:
-            return zero, not_slot, zero
-        every = rng.random_u64(state, counter0, int(slots.max()) + 1)
-        return every[slots], not_slot, zero
-    raise ValueError(f"unknown key mode {mode}")
-
-
-def top_k(mode: int, k: int, valid: np.ndarray, priority=None, insert_seq=None, update_seq=None,
-          state: int = 0, counter0: int = 0) -> np.ndarray:
-    """The k valid slots with the largest composite keys, best first (int64[k]).
-
-    max_priority/min_priority order like Reverb's heaps (ties: least recently
-    inserted or updated first); oldest/newest like FIFO/LIFO; random gives a
-    uniform random k-subset in random order (uniform without replacement,
-    using counters counter0 + slot). k larger than the valid count: ValueError.
-    """
-    live = np.flatnonzero(np.asarray(valid, dtype=bool))
-    if k > live.shape[0]:
-        raise ValueError(f"top_k: k={k} exceeds the {live.shape[0]} valid slots")
-    k0, k1, k2 = order_keys(mode, live, priority, insert_seq, update_seq, state, counter0)
-    order = np.lexsort((k2, k1, k0))[::-1][:k]
-    return live[order].astype(np.int64)
-
-
-def argbest(mode: int, valid: np.ndarray, priority=None, insert_seq=None, update_seq=None) -> int:
-    """The single best valid slot by composite key (heaps, FIFO, LIFO); -1 when none is valid."""
-    live = np.flatnonzero(np.asarray(valid, dtype=bool))
-    if live.shape[0] == 0:
-        return -1
-    return int(top_k(mode, 1, valid, priority, insert_seq, update_seq)[0])
-
-
 def last_occurrences(slots: np.ndarray) -> np.ndarray:
     """Indices of each distinct slot's last entry (duplicates: the last one wins)."""
     slots = np.asarray(slots, dtype=np.int64)
@@ -208,11 +140,6 @@ def scatter(slots: np.ndarray, targets: Sequence[np.ndarray], values: Sequence[n
     chosen = np.asarray(slots, dtype=np.int64)[keep]
     for target, value in zip(targets, values, strict=True):
         target[chosen] = np.asarray(value)[keep]
-
-
-def increment_times_sampled(times_sampled: np.ndarray, slots: np.ndarray) -> None:
-    """times_sampled[slot] += 1 per occurrence."""
-    np.add.at(times_sampled, np.asarray(slots, dtype=np.int64), 1)
 
 
 def window_bounds(length: np.ndarray, start: np.ndarray, window: int, max_length: int, pad_head: bool

@@ -167,7 +167,7 @@ class WeightOffload:
                 if slots.shape[0] * 8 > self.capacity:
                     self._all_dirty = True
                 else:
-                    from .selection import scatter
+                    from gear_kernels import scatter
 
                     scatter(slots, {"priority": self._device_w}, {"priority": self.weights[slots]})
         if self._all_dirty:

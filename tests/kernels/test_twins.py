@@ -11,14 +11,10 @@ from gear_contract.layout import TableLayout
 from gear_kernels import (
     CounterRng,
     Window,
-    argbest,
     gather,
     gather_numpy,
-    increment_times_sampled,
     output_plan,
-    sample_without_replacement,
     scatter,
-    top_k,
     twins,
     weighted_sample,
 )
@@ -136,64 +132,8 @@ def test_no_valid_slot_gives_minus_one():
     np.testing.assert_array_equal(probs, 0.0)
 
 
-def _heap_reference(priority, update_seq, valid, k, largest=True):
-    live = [i for i in range(len(valid)) if valid[i]]
-    sign = -1 if largest else 1
-    return sorted(live, key=lambda i: (sign * priority[i], update_seq[i], i))[:k]
 
-
-@pytest.mark.parametrize("largest", [True, False])
-def test_top_k_orders_like_reverb_heaps(largest):
-    g = np.random.default_rng(6)
-    n = 2000
-    priority = g.choice([0.0, 0.5, 1.0, 2.0, 7.25], n)  # many ties
-    update_seq = g.permutation(n).astype(np.int64)
-    valid = g.random(n) < 0.8
-    for k in (1, 17, 500, int(valid.sum())):
-        got = top_k("max_priority" if largest else "min_priority", k, valid, priority=priority,
-                    update_seq=update_seq)
-        assert got.tolist() == _heap_reference(priority, update_seq, valid, k, largest)
-    best = argbest("max_priority" if largest else "min_priority", valid, priority=priority, update_seq=update_seq)
-    assert best == _heap_reference(priority, update_seq, valid, 1, largest)[0]
-
-
-def test_fifo_lifo_orders_and_empty():
-    g = np.random.default_rng(7)
-    n = 500
-    insert_seq = g.permutation(n).astype(np.int64) * 3
-    valid = g.random(n) < 0.5
-    live = np.flatnonzero(valid)
-    oldest = live[np.argsort(insert_seq[live])]
-    assert top_k("oldest", 10, valid, insert_seq=insert_seq).tolist() == oldest[:10].tolist()
-    assert top_k("newest", 10, valid, insert_seq=insert_seq).tolist() == oldest[::-1][:10].tolist()
-    assert argbest("oldest", valid, insert_seq=insert_seq) == oldest[0]
-    assert argbest("newest", valid, insert_seq=insert_seq) == oldest[-1]
-    assert argbest("oldest", np.zeros(n, bool), insert_seq=insert_seq) == -1
-
-
-def test_top_k_rejects_k_above_valid_count_and_unknown_order():
-    valid = np.array([True, False, True])
-    with pytest.raises(ValueError, match="exceeds"):
-        top_k("max_priority", 3, valid, priority=np.ones(3), update_seq=np.arange(3))
-    with pytest.raises(ValueError, match="unknown selection order"):
-        top_k("sideways", 1, valid)
-
-
-def test_sample_without_replacement_is_a_uniform_subset():
-    n, k, rounds = 50, 10, 20_000
-    valid = np.ones(n, bool)
-    valid[[3, 17]] = False
-    r = CounterRng(8)
-    hits = np.zeros(n)
-    for _ in range(rounds):
-        got = sample_without_replacement(valid, k, r)
-        assert len(set(got.tolist())) == k and valid[got].all()
-        hits[got] += 1
-    live = valid
-    assert chi_square_p(hits[live], np.full(live.sum(), rounds * k / live.sum())) >= P_MIN
-
-
-def test_scatter_last_entry_wins_and_increments_count_duplicates():
+def test_scatter_last_entry_wins():
     priority = np.zeros(8)
     update_seq = np.zeros(8, np.int64)
     slots = np.array([1, 5, 1, 7, 5])
@@ -201,9 +141,6 @@ def test_scatter_last_entry_wins_and_increments_count_duplicates():
             {"priority": [1.0, 2.0, 3.0, 4.0, 5.0], "update_seq": [10, 11, 12, 13, 14]})
     assert priority.tolist() == [0, 3.0, 0, 0, 0, 5.0, 0, 4.0]
     assert update_seq.tolist() == [0, 12, 0, 0, 0, 14, 0, 13]
-    ts = np.zeros(8, np.int32)
-    increment_times_sampled(ts, np.array([2, 2, 2, 6]))
-    assert ts.tolist() == [0, 0, 3, 0, 0, 0, 1, 0]
     with pytest.raises(ValueError, match="unknown fields"):
         scatter(slots, {"prio": priority}, {"prio": priority})
 
