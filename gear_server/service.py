@@ -31,6 +31,7 @@ import numpy as np
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.wire import encode_sample_response
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
+from gear_server.items import BadRequest, ItemToInsert, tensor_to_array
 
 log = logging.getLogger(__name__)
 
@@ -41,62 +42,8 @@ SERVICE_NAME = "gear.v1.ReplayService"
 # on loopback: 1-2 MiB per message is best for 256 KiB items).
 TARGET_SAMPLE_MESSAGE_BYTES = int(os.environ.get("GEAR_SAMPLE_MESSAGE_BYTES", 2 << 20))
 MAX_ITEMS_PER_SAMPLE_MESSAGE = 256
-# Structure nesting deeper than this is refused (a request must not exhaust the stack).
-MAX_STRUCTURE_DEPTH = 64
-
-_ALLOWED_KINDS = frozenset("biufcSU")
 # A segment that cannot be created or grown (full tmpfs, no memory): RESOURCE_EXHAUSTED.
 _EXHAUSTED_ERRNOS = frozenset((errno.ENOSPC, errno.ENOMEM, errno.EFBIG))
-
-
-class BadRequest(ValueError):
-    """The request is not a valid request (INVALID_ARGUMENT)."""
-
-
-def dtype_from_wire(text: str, where: str) -> np.dtype:
-    """The numpy dtype of a wire dtype string; only plain fixed-size types cross the wire."""
-    try:
-        dtype = np.dtype(text)
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"{where}: invalid dtype {text!r}") from e
-    if dtype.kind not in _ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
-        raise BadRequest(f"{where}: unsupported dtype {text!r} (plain numeric, bool or fixed-size string only)")
-    return dtype
-
-
-def tensor_to_array(tensor: pb.Tensor, where: str, min_rank: int = 0) -> np.ndarray:
-    """A read-only array over a Tensor's raw buffer, after checking dtype, shape and size."""
-    dtype = dtype_from_wire(tensor.dtype, where)
-    shape = tuple(tensor.shape)
-    if len(shape) < min_rank:
-        raise BadRequest(f"{where}: rank {len(shape)} < {min_rank} (the first dimension counts steps)")
-    if any(d < 0 for d in shape):
-        raise BadRequest(f"{where}: negative dimension in shape {shape}")
-    expected = dtype.itemsize * math.prod(shape)
-    data = tensor.data
-    if len(data) != expected:
-        raise BadRequest(f"{where}: data holds {len(data)} bytes, shape {shape} of {dtype.str} needs {expected}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
-
-
-def check_structure(structure: pb.Structure, where: str, depth: int = 0) -> int:
-    """Validate a wire Structure; returns its number of leaves."""
-    if depth > MAX_STRUCTURE_DEPTH:
-        raise BadRequest(f"{where}: structure nested deeper than {MAX_STRUCTURE_DEPTH}")
-    kind = structure.kind
-    k = pb.Structure.Kind
-    if kind == k.LEAF or kind == k.NONE:
-        if structure.children:
-            raise BadRequest(f"{where}: a leaf or None node has children")
-        return 1 if kind == k.LEAF else 0
-    if kind in (k.DICT, k.NAMEDTUPLE):
-        if len(structure.keys) != len(structure.children):
-            raise BadRequest(f"{where}: {len(structure.keys)} keys for {len(structure.children)} children")
-        if kind == k.NAMEDTUPLE and not structure.type_name.isidentifier():
-            raise BadRequest(f"{where}: invalid namedtuple type name {structure.type_name!r}")
-    elif kind not in (k.LIST, k.TUPLE):
-        raise BadRequest(f"{where}: unknown structure kind {kind}")
-    return sum(check_structure(c, where, depth + 1) for c in structure.children)
 
 
 class _Chunk:
@@ -109,24 +56,9 @@ class _Chunk:
         self.episode_id = episode_id
 
 
-def _item_to_insert_type():
-    from gear_server.table import ItemToInsert
-
-    return ItemToInsert
-
-
-def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> Any:
-    """Validate one PrioritizedItem against the stream's chunks and build the table's ItemToInsert."""
+def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> ItemToInsert:
+    """Build one PrioritizedItem's ItemToInsert from the stream's chunks, validated (gear_server.items)."""
     where = f"item {item.key} for table '{item.table}'"
-    if math.isnan(item.priority):
-        raise BadRequest(f"{where}: priority is NaN")
-    if item.priority < 0:
-        raise BadRequest(f"{where}: priority {item.priority} is negative")
-    if not item.columns:
-        raise BadRequest(f"{where}: empty trajectory (no columns)")
-    leaves = check_structure(item.structure, where)
-    if leaves != len(item.columns):
-        raise BadRequest(f"{where}: structure has {leaves} leaves but the item has {len(item.columns)} columns")
     columns = []
     squeeze = []
     episodes = set()
@@ -142,22 +74,23 @@ def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> Any:
             if s.offset < 0 or s.length < 1 or s.offset + s.length > steps:
                 raise BadRequest(f"{where}: column {c} slice [{s.offset}, {s.offset + s.length}) is outside "
                                  f"chunk {s.chunk_key} of {steps} steps")
-            part = chunk.array[s.offset:s.offset + s.length]
-            if parts and (part.dtype != parts[0].dtype or part.shape[1:] != parts[0].shape[1:]):
-                raise BadRequest(f"{where}: column {c} joins chunks of different dtype/shape "
-                                 f"({parts[0].dtype}{parts[0].shape[1:]} vs {part.dtype}{part.shape[1:]})")
-            parts.append(part)
+            parts.append(chunk.array[s.offset:s.offset + s.length])
             episodes.add(chunk.episode_id)
-        data = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if column.squeeze:
-            if data.shape[0] != 1:
-                raise BadRequest(f"{where}: column {c} is squeezed but spans {data.shape[0]} steps")
-            data = data[0, ...]  # a 0-d array for scalar steps, not a numpy scalar
-        columns.append(data)
+            if len(parts) != 1 or parts[0].shape[0] != 1:
+                raise BadRequest(f"{where}: column {c} is squeezed but spans "
+                                 f"{sum(p.shape[0] for p in parts)} steps")
+            columns.append(parts[0][0, ...])  # a 0-d array for scalar steps, not a numpy scalar
+        else:
+            columns.append(parts[0] if len(parts) == 1 else parts)
         squeeze.append(bool(column.squeeze))
-    item_type = _item_to_insert_type()
-    return item_type(key=int(item.key), priority=float(item.priority), structure=item.structure,
-                     columns=columns, squeeze=squeeze, episode_ids=frozenset(episodes))
+    built = ItemToInsert(key=int(item.key), priority=float(item.priority), structure=item.structure,
+                         columns=columns, squeeze=squeeze, episode_ids=frozenset(episodes))
+    try:
+        built.validated()
+    except ValueError as e:
+        raise BadRequest(f"table '{item.table}': {e}") from None
+    return built
 
 
 # ------------------------------------------------------------ sample encoding ----

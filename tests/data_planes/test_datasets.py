@@ -47,7 +47,7 @@ def test_windows_and_lengths(daemon):
     assert np.all(batch.lengths == 32)
     assert np.all(batch.columns[1][:, :8] == 0)  # head padding, written by the gather
     table = daemon.tables["t"]
-    view = table.layout().column_view(table._segment.buffer, 1)
+    view = table.layout().column_view(table.segment.buffer, 1)
     for i, key in enumerate(batch.keys.tolist()):
         slot = int(np.flatnonzero(table.meta.key == key)[0])
         assert np.array_equal(batch.columns[1][i, 8:], view[slot, :32])
@@ -216,7 +216,7 @@ def test_inline_batches_spanning_several_messages_are_assembled_and_windowed():
             assert whole.plane == "inline" and check_batch(whole) == 40
             assert whole.columns[1].shape == (40, 64, 1024)
             windowed = s.sample(40, window=Window(12, -12, "head"))
-        view = table.layout().column_view(table._segment.buffer, 1)
+        view = table.layout().column_view(table.segment.buffer, 1)
         for i, key in enumerate(windowed.keys.tolist()):
             slot = int(np.flatnonzero(table.meta.key == key)[0])
             n = int(table.meta.length[slot, 1])

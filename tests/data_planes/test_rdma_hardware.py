@@ -50,7 +50,7 @@ def test_a_remote_learner_reads_intact_batches_with_real_rdma_reads(hardware_dae
         obs = batches[0].columns[1]
         for i, key in enumerate(batches[0].keys.tolist()):
             slot = int(np.flatnonzero(ref.meta.key == key)[0])
-            stored = ref.layout().column_view(ref._segment.buffer, 1)[slot, :64]
+            stored = ref.layout().column_view(ref.segment.buffer, 1)[slot, :64]
             assert np.array_equal(obs[i, :64], stored)  # the bytes the NIC read are the table's
 
 

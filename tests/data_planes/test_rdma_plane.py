@@ -109,7 +109,7 @@ def test_a_remote_learner_reads_batches_over_rdma(rdma_daemon):
         ref = d.tables["t"]
         for i, key in enumerate(windowed.keys.tolist()):
             slot = int(np.flatnonzero(ref.meta.key == key)[0])
-            stored = ref.layout().column_view(ref._segment.buffer, 1)[slot, 54:64]
+            stored = ref.layout().column_view(ref.segment.buffer, 1)[slot, 54:64]
             assert np.array_equal(obs[i], stored)
     assert conn.closed and server.closed_sessions == 1 and server.accepted[0].closed
 

@@ -130,7 +130,7 @@ def test_item_breaking_the_layout_is_refused_while_items_are_held(store, change)
     }[change]
     with pytest.raises(ValueError, match=bad[1]):
         table.insert(bad[0])
-    assert table.layout().version == version and sorted(table._key_to_slot) == [1]
+    assert table.layout().version == version and sorted(table._slots.key_to_slot) == [1]
     sel, (a, o) = read_one(table)
     check_item_data(1, a[0], o)
     table.close()

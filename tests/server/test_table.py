@@ -149,7 +149,7 @@ def test_remover_can_delete_the_new_item(store):
     for k, p in enumerate([5.0, 6.0, 7.0]):
         table.insert(item(k, priority=p))
     table.insert(item(3, priority=1.0))  # lowest priority: the min-heap remover deletes it at once
-    assert sorted(table._key_to_slot) == [0, 1, 2]
+    assert sorted(table._slots.key_to_slot) == [0, 1, 2]
     assert table.info().rate_limiter_info.num_deletes == 1
     assert table._rate_limiter.inserts == 4
     table.close()
@@ -176,7 +176,7 @@ def test_max_times_sampled_deletes_when_reached(store):
     assert sel.times_sampled.tolist() == [1, 2, 3, 1]
     # table_size is the size before any deletion this sample causes
     assert sel.table_sizes.tolist() == [2, 2, 2, 1]
-    assert list(table._key_to_slot) == [2]
+    assert list(table._slots.key_to_slot) == [2]
     table.release(sel.lease_id)
     table.close()
 
@@ -263,11 +263,11 @@ def test_mutate_priorities_deletes_first_then_updates_unknown_ignored(store):
     for k in range(4):
         table.insert(item(k))
     table.mutate_priorities({1: 5.0, 2: 9.0, 99: 3.0}, deletes=[2, 98])
-    assert sorted(table._key_to_slot) == [0, 1, 3]
-    assert table.meta.priority[table._key_to_slot[1]] == 5.0
+    assert sorted(table._slots.key_to_slot) == [0, 1, 3]
+    assert table.meta.priority[table._slots.key_to_slot[1]] == 5.0
     assert table.info().rate_limiter_info.num_deletes == 1
     table.mutate_priorities([(0, 2.0), (0, 4.0)])  # pairs: the last update of a key wins
-    assert table.meta.priority[table._key_to_slot[0]] == 4.0
+    assert table.meta.priority[table._slots.key_to_slot[0]] == 4.0
     table.close()
 
 
@@ -294,7 +294,7 @@ def test_reset_empties_zeroes_counters_and_keys_are_new(store):
     assert info.num_unique_samples == 0 and info.rate_limiter_info.num_deletes == 0
     assert table._rate_limiter.state() == {"inserts": 0, "samples": 0, "deletes": 0}
     table.insert(item(0))  # a key seen before the reset is a new item now
-    assert len(table) == 1 and table.meta.times_sampled[table._key_to_slot[0]] == 0
+    assert len(table) == 1 and table.meta.times_sampled[table._slots.key_to_slot[0]] == 0
     table.close()
 
 
@@ -382,7 +382,7 @@ def test_bad_item_rejected_and_table_unchanged(store, case):
     assert state_fingerprint(table) == before
     # the table keeps serving
     table.insert(item(60))
-    assert 60 in table._key_to_slot
+    assert 60 in table._slots.key_to_slot
     table.close()
 
 
@@ -492,7 +492,7 @@ def test_capacity_grows_when_leased_slots_exhaust_the_spares(store):
         check_item_data(key, act[0], obs)
     table.release(a.lease_id)
     table.release(b.lease_id)
-    assert sorted(table._key_to_slot) == [12, 13]
+    assert sorted(table._slots.key_to_slot) == [12, 13]
     table.close()
 
 
@@ -510,7 +510,7 @@ def test_release_is_idempotent_and_leases_counted(store):
     table.insert(item(1))
     a = table.sample(3)
     b = table.sample(2)
-    slot = table._key_to_slot[1]
+    slot = table._slots.key_to_slot[1]
     assert table.meta.leases[slot] == 5
     table.release(a.lease_id)
     table.release(a.lease_id)
@@ -552,7 +552,7 @@ def test_snapshot_restore_behaves_identically(store, sampler, remover):
                         sel.table_sizes.tolist(), [a.tobytes() for a in t.read(sel)]))
             t.release(sel.lease_id)
         t.mutate_priorities({100: 9.0}, deletes=[101])
-        out.append(sorted(t._key_to_slot))
+        out.append(sorted(t._slots.key_to_slot))
         return out
 
     assert run(restored) == run(table)
@@ -642,7 +642,7 @@ def test_concurrent_duplicate_keys_insert_once(store):
     for t in threads:
         t.join(30)
     assert len(table) == 50 and table._rate_limiter.inserts == 50
-    assert len(table._free) == table.capacity - 50
+    assert len(table._slots.free) == table.capacity - 50
     table.close()
 
 
@@ -703,10 +703,10 @@ def test_million_item_table_sanity(store):
     table.release(sel.lease_id)
     for k in range(n, n + 1000):  # insert when full: fifo remover evicts the oldest, O(1) each
         table.insert(ItemToInsert(k, 1.0, LEAF, [np.array([k], np.int64)], [False]))
-    assert len(table) == n and 999 not in table._key_to_slot and 1000 in table._key_to_slot
+    assert len(table) == n and 999 not in table._slots.key_to_slot and 1000 in table._slots.key_to_slot
     upd = {int(k): 2.0 for k in rng.choice(n, 4096, replace=False) if k >= 1000}
     table.mutate_priorities(upd)
-    slot = table._key_to_slot[next(iter(upd))]
+    slot = table._slots.key_to_slot[next(iter(upd))]
     assert table.meta.priority[slot] == 2.0
     table.close()
 

@@ -1,0 +1,190 @@
+"""Which slot holds which item: per-slot metadata arrays, free slots, leases, episodes.
+
+A table's items live in numbered slots (the same numbers index the segment's
+columns and the selectors). ``SlotBook`` keeps the bookkeeping around them: the
+metadata arrays the selection kernels read, the stack of free slots, the map
+from key to slot, the leases readers hold, and which episodes each item
+references. A deleted item's slot is not reused while a lease holds it (a
+"zombie" until its last lease ends). The caller (the table) holds its lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from gear_server.items import PreparedItem
+
+
+class ItemMetadata:
+    """Per-slot arrays (read directly by the GPU selection kernels)."""
+
+    FIELDS = ("key", "priority", "insert_seq", "update_seq", "times_sampled", "generation", "length", "valid",
+              "leases")
+
+    def __init__(self, capacity: int, num_columns: int):
+        self.key = np.zeros(capacity, np.uint64)
+        self.priority = np.zeros(capacity, np.float64)
+        self.insert_seq = np.zeros(capacity, np.int64)
+        self.update_seq = np.zeros(capacity, np.int64)
+        self.times_sampled = np.zeros(capacity, np.int32)
+        self.generation = np.zeros(capacity, np.uint64)
+        self.length = np.zeros((capacity, num_columns), np.int32)
+        self.valid = np.zeros(capacity, np.bool_)
+        self.leases = np.zeros(capacity, np.int32)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.key)
+
+    def resized(self, capacity: int) -> ItemMetadata:
+        """A copy with room for ``capacity`` slots (new slots zeroed)."""
+        out = ItemMetadata(capacity, self.length.shape[1])
+        n = min(capacity, self.capacity)
+        for name in self.FIELDS:
+            getattr(out, name)[:n] = getattr(self, name)[:n]
+        return out
+
+    def with_columns(self, num_columns: int) -> ItemMetadata:
+        """Empty metadata for ``num_columns`` columns that keeps the generations ((slot, generation) stays unique)."""
+        out = ItemMetadata(self.capacity, num_columns)
+        out.generation[:] = self.generation
+        return out
+
+
+class SlotBook:
+    """Slots, keys, leases and episode references of one table (lock held by the caller)."""
+
+    def __init__(self, capacity: int, num_columns: int):
+        self.meta = ItemMetadata(capacity, num_columns)
+        self.free: list[int] = list(range(capacity - 1, -1, -1))  # a stack; slot 0 first
+        self.zombies: set[int] = set()  # deleted but leased: reused once their leases end
+        self.slot_episodes: list[tuple[int, ...]] = [()] * capacity
+        self.key_to_slot: dict[int, int] = {}
+        self.episode_refs: dict[int, int] = {}
+        self.num_deleted_episodes = 0
+        self.leases: dict[int, np.ndarray] = {}
+        self._lease_ids = itertools.count(1)
+
+    @property
+    def capacity(self) -> int:
+        return self.meta.capacity
+
+    def __len__(self) -> int:
+        return len(self.key_to_slot)
+
+    def idle(self) -> bool:
+        """No item, no lease and no leased deleted slot: the table's storage may be rebuilt from scratch."""
+        return not self.key_to_slot and not self.leases and not self.zombies
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` slots; the new ones are free (taken after the current free ones)."""
+        old = self.capacity
+        if capacity <= old:
+            return
+        self.meta = self.meta.resized(capacity)
+        self.slot_episodes.extend([()] * (capacity - old))
+        self.free[:0] = range(capacity - 1, old - 1, -1)
+
+    def set_num_columns(self, num_columns: int) -> None:
+        if self.meta.length.shape[1] != num_columns:
+            self.meta = self.meta.with_columns(num_columns)
+
+    # ------------------------------------------------------------------ items
+    def take(self) -> int:
+        """A free slot for a new item (its generation bumped: references to its old content go stale)."""
+        slot = self.free.pop()
+        self.meta.generation[slot] += np.uint64(1)
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        """Return a slot taken for an insert that did not happen."""
+        self.free.append(slot)
+
+    def occupy(self, slot: int, prep: PreparedItem, seq: int) -> None:
+        """Record ``prep`` as the item in ``slot``."""
+        m = self.meta
+        m.key[slot] = prep.key
+        m.priority[slot] = prep.priority
+        m.insert_seq[slot] = seq
+        m.update_seq[slot] = seq
+        m.times_sampled[slot] = 0
+        m.length[slot] = prep.lengths
+        m.valid[slot] = True
+        self.key_to_slot[prep.key] = slot
+        self.slot_episodes[slot] = prep.episode_ids
+        for e in prep.episode_ids:
+            self.episode_refs[e] = self.episode_refs.get(e, 0) + 1
+
+    def vacate(self, slot: int) -> None:
+        """Remove the item in ``slot``; the slot is free once no lease holds it."""
+        m = self.meta
+        key = int(m.key[slot])
+        m.valid[slot] = False
+        del self.key_to_slot[key]
+        for e in self.slot_episodes[slot]:
+            refs = self.episode_refs[e] - 1
+            if refs:
+                self.episode_refs[e] = refs
+            else:
+                del self.episode_refs[e]
+                self.num_deleted_episodes += 1
+        self.slot_episodes[slot] = ()
+        if m.leases[slot] > 0:
+            self.zombies.add(slot)
+        else:
+            self.free.append(slot)
+
+    def clear(self) -> None:
+        """Remove every item (leased slots stay zombies until released)."""
+        m = self.meta
+        slots = np.flatnonzero(m.valid)
+        m.valid[slots] = False
+        leased = m.leases[slots] > 0
+        self.zombies.update(slots[leased].tolist())
+        self.free.extend(slots[~leased].tolist())
+        self.key_to_slot.clear()
+        for s in slots.tolist():
+            self.slot_episodes[s] = ()
+        self.episode_refs.clear()
+        self.num_deleted_episodes = 0
+
+    def occupied_in_insert_order(self) -> np.ndarray:
+        """Slots holding items, oldest insert first."""
+        m = self.meta
+        slots = np.flatnonzero(m.valid)
+        return slots[np.argsort(m.insert_seq[slots], kind="stable")]
+
+    def free_stack(self) -> list[int]:
+        """Every slot a new item may take, bottom of the stack first (leased deleted slots below the rest)."""
+        return sorted(self.zombies) + self.free
+
+    # ------------------------------------------------------------------ leases
+    def lease(self, slots: np.ndarray) -> int:
+        """Record a lease on ``slots`` (their ``meta.leases`` already counted by the caller); its id."""
+        lease_id = next(self._lease_ids)
+        self.leases[lease_id] = slots
+        return lease_id
+
+    def end_lease(self, lease_id: int) -> bool:
+        """End a lease; False if it was not held."""
+        slots = self.leases.pop(int(lease_id), None)
+        if slots is None:
+            return False
+        self.unlease(slots)
+        return True
+
+    def unlease(self, slots: np.ndarray) -> bool:
+        """Drop one lease count per occurrence of each slot; True if a zombie slot became free."""
+        m = self.meta
+        distinct, counts = np.unique(slots, return_counts=True)
+        m.leases[distinct] -= counts.astype(np.int32)
+        freed = False
+        if self.zombies:
+            for s in distinct[m.leases[distinct] == 0].tolist():
+                if s in self.zombies:
+                    self.zombies.remove(s)
+                    self.free.append(s)
+                    freed = True
+        return freed
