@@ -1,4 +1,4 @@
-"""Datasets for training loops: batches of a table, prefetched in the background.
+"""Datasets for training loops: batches of a table, prefetched in the background where the table allows.
 
 Reverb's datasets are tf.data pipelines; ours are Python iterators that need no
 TensorFlow. ``TrajectoryDataset(server_address, table, batch_size, window=...,
@@ -7,14 +7,33 @@ arrays over the batch, ``data`` the item structure with one
 ``[batch, steps, *shape]`` array per leaf (zero-padded past each item's length;
 ``batches()`` also gives the valid lengths). Arrays are NumPy on the CPU; with
 ``device="cuda"`` they are CuPy arrays in GPU memory (gathered there directly on
-the shm plane), and ``output="torch"`` hands them to PyTorch through DLPack
-without a copy. A background thread keeps ``prefetch`` batches ready while the
-learner trains; ``close()`` (or leaving a ``with`` block) stops it cleanly.
+the shm plane); ``output="torch"`` / ``output="jax"`` hand them to PyTorch / JAX
+through DLPack without a copy.
+
+A background thread fetches batches while the learner trains, as far as the
+table's semantics allow (``data_planes.read_ahead``): tables whose sampling takes
+nothing away (uniform, prioritized... with a MinSize limiter) are read ahead,
+``prefetch`` batches ready and several batches per Select; tables whose samples
+consume items (``Table.queue``) or spend a rate limiter's allowance
+(``SampleToInsertRatio``) are selected one batch at a time, only when the learner
+asks for it, so every item taken from the table is delivered and a batch comes
+as soon as one batch's worth can be sampled. ``close()`` (or leaving a ``with``
+block) stops the thread cleanly.
+
+When PyTorch is installed the datasets are ``torch.utils.data.IterableDataset``s:
+``DataLoader(dataset, batch_size=None)`` takes them as they are, and with
+``num_workers > 0`` each worker opens its own session (a dataset pickles as its
+address and options, never its sockets; ``max_samples`` is split between the
+workers). PyTorch is imported only when it is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,42 +41,84 @@ from typing import Any
 from gear_client import errors
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
+from gear_client.data_planes.read_ahead import sampling_takes
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
-from gear_client.data_planes.shm import is_gpu_device
+from gear_client.data_planes.shm import gpu_index, is_gpu_device
 from gear_client.replay_sample import ReplaySample
+from gear_contract import negotiation
 
 __all__ = ["TrajectoryDataset", "TimestepDataset"]
 
-_END = object()
-# The producer on a full queue and the consumer on an empty one wake this often (seconds) to notice close()
-# or a producer that died.
+log = logging.getLogger(__name__)
+
+# The producer on a full queue (or waiting for the learner to ask) and the consumer on an empty queue
+# wake this often (seconds) to notice close() or a producer that died.
 _POLL_S = 1.0
+OUTPUTS = (None, "numpy", "cupy", "torch", "jax")
+
+
+def _iterable_dataset_base() -> type:
+    """``torch.utils.data.IterableDataset`` when PyTorch is installed (imported then), else ``object``."""
+    if importlib.util.find_spec("torch") is None:
+        return object
+    from torch.utils.data import IterableDataset
+
+    return IterableDataset
 
 
 class _Failure:
+    """An exception of the producer, handed to the consumer."""
+
     def __init__(self, error: BaseException):
         self.error = error
 
 
-class TrajectoryDataset:
+# What the producer hands over: a batch, a failure, or None at the end.
+_Entry = SampledBatch | _Failure | None
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict) -> TrajectoryDataset:
+    """A dataset unpickled (a DataLoader worker's copy): configured now, started on first use in its process."""
+    dataset = cls.__new__(cls)
+    dataset._configure(*args, **kwargs)
+    return dataset
+
+
+class TrajectoryDataset(_iterable_dataset_base()):
     """Batches of trajectories from ``table`` (see module docstring).
 
     ``rate_limiter_timeout_ms``: end the iteration when no item could be sampled
     for that long (-1: wait forever, as Reverb). ``max_samples``: end after that
     many items (-1: never). ``planes``: restrict the data planes to try
-    ("shm", "rdma", "inline"). ``output``: None (NumPy / CuPy as the device says)
-    or "torch".
+    ("shm", "rdma", "inline"). ``output``: None (NumPy / CuPy as the device says),
+    "torch" or "jax". ``prefetch``: batches kept ready ahead of the learner, on
+    tables that may be read ahead.
     """
 
     def __init__(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
                  device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
                  rate_limiter_timeout_ms: int = -1, max_samples: int = -1, sampler_options: dict | None = None):
+        self._configure(server_address, table, batch_size, window=window, device=device, output=output,
+                        prefetch=prefetch, planes=planes, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
+                        max_samples=max_samples, sampler_options=sampler_options)
+        self._start()
+
+    def _configure(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
+                   device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
+                   rate_limiter_timeout_ms: int = -1, max_samples: int = -1,
+                   sampler_options: dict | None = None) -> None:
+        """Validate and keep the options; nothing is opened (``_start`` does that in the process that iterates)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if output not in (None, "numpy", "cupy", "torch"):
-            raise ValueError(f"output must be None, 'numpy', 'cupy' or 'torch', got {output!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be None, 'numpy', 'cupy', 'torch' or 'jax', got {output!r}")
+        negotiation.normalise_planes(planes)  # a bad plane name fails here, not in the background
+        self._args = (server_address, table, batch_size)
+        self._kwargs = {"window": window, "device": device, "output": output, "prefetch": prefetch, "planes": planes,
+                        "rate_limiter_timeout_ms": rate_limiter_timeout_ms, "max_samples": max_samples,
+                        "sampler_options": sampler_options}
         self.table = table
         self.batch_size = int(batch_size)
         self.window = window
@@ -65,27 +126,69 @@ class TrajectoryDataset:
         self.output = output
         self.max_samples = int(max_samples)
         self._timeout = rate_limiter_timeout_ms / 1000.0 if rate_limiter_timeout_ms >= 0 else None
-        self._sampler = PlaneSampler(server_address, table, planes=planes, device=device, **(sampler_options or {}))
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
+        self._started_in: int | None = None  # the pid whose producer thread and session this object holds
         self._done = False
         self.plane_kind: str | None = None
+        self.read_ahead: bool | None = None  # known once the producer has looked at the table
+        self._sampler: PlaneSampler | None = None
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        """Open the sampler and start the producer in this process (a DataLoader worker takes its share)."""
+        server_address, table, _ = self._args
+        kw = self._kwargs
+        worker = _torch_worker()
+        if worker is not None and self.max_samples >= 0:  # each worker delivers its share of max_samples
+            worker_id, workers = worker
+            self.max_samples = self.max_samples // workers + (1 if worker_id < self.max_samples % workers else 0)
+        self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=kw["prefetch"])
+        self._demand = threading.Semaphore(0)  # batches the learner asked for and has not got yet
+        self._asked = False
+        self._stop = threading.Event()
+        self._done = False
+        self._started_in = os.getpid()
+        self._sampler = PlaneSampler(server_address, table, planes=kw["planes"], device=self.device,
+                                     **(kw["sampler_options"] or {}))
         self._thread = threading.Thread(target=self._produce, name=f"gear-dataset-{table}", daemon=True)
         self._thread.start()
 
+    def _ensure_started(self) -> None:
+        """Start here when this object was unpickled or inherited through fork (its session is another process's)."""
+        if self._started_in != os.getpid():
+            self._start()
+
+    def __reduce__(self):
+        """Pickles as its address and options (for DataLoader workers), never its sockets or thread."""
+        return _rebuild, (type(self), self._args, self._kwargs)
+
     # ---------------------------------------------------------------- producer
+    def _decide_read_ahead(self) -> bool:
+        """Whether this table may be read ahead (data_planes.read_ahead); no when its options cannot be read."""
+        try:
+            info = self._sampler.table_info()
+        except (errors.ReverbError, KeyError, ValueError) as exc:
+            log.debug("table '%s' options unreadable (%s): selecting one batch at a time", self.table, exc)
+            return False
+        reason = sampling_takes(info)
+        if reason is not None:
+            log.debug("dataset of table '%s' selects one batch at a time: %s", self.table, reason)
+        return reason is None
+
     def _produce(self) -> None:
         produced = 0
-        stream = None  # the sampler's pipelined batches (full-size batches only)
+        stream = None  # the sampler's pipelined batches (full-size batches, tables read ahead only)
         try:
+            read_ahead = self.read_ahead = self._decide_read_ahead()
             while not self._stop.is_set():
                 want = self.batch_size
                 if self.max_samples >= 0:
                     want = min(want, self.max_samples - produced)
                     if want <= 0:
                         break
+                if not read_ahead and not self._await_demand():
+                    break
                 try:
-                    if want == self.batch_size:
+                    if read_ahead and want == self.batch_size:
                         if stream is None:
                             stream = self._sampler.batches(want, window=self.window, timeout=self._timeout)
                         batch = next(stream)
@@ -98,6 +201,8 @@ class TrajectoryDataset:
                     stream = None  # a generator that raised is finished
                     if self._timeout is not None:
                         break  # Reverb ends the stream when the rate limiter times out
+                    if not read_ahead:
+                        self._demand.release()  # the learner still waits for that batch
                     continue
                 self.plane_kind = batch.plane
                 produced += len(batch)
@@ -113,12 +218,19 @@ class TrajectoryDataset:
                     stream.close()  # releases the leases still in flight
                 except Exception:  # noqa: BLE001
                     pass
-        self._put(_END)
+        self._put(None)
 
-    def _put(self, item: Any) -> None:
+    def _await_demand(self) -> bool:
+        """Wait until the learner asks for a batch; False when the dataset is closed meanwhile."""
+        while not self._stop.is_set():
+            if self._demand.acquire(timeout=_POLL_S):
+                return True
+        return False
+
+    def _put(self, entry: _Entry) -> None:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=_POLL_S)
+                self._queue.put(entry, timeout=_POLL_S)
                 return
             except queue.Full:
                 continue
@@ -128,14 +240,16 @@ class TrajectoryDataset:
         if is_gpu_device(self.device) and batch.plane != "shm":
             import cupy as cp
 
-            from gear_client.data_planes.shm import gpu_index
-
             with cp.cuda.Device(gpu_index(self.device)):
                 columns = [cp.asarray(c) for c in columns]
         if self.output == "torch":
             import torch
 
             columns = [torch.from_dlpack(c) for c in columns]
+        elif self.output == "jax":
+            import jax.numpy as jnp
+
+            columns = [jnp.from_dlpack(c) for c in columns]
         if columns is not batch.columns:
             batch.columns = list(columns)
         return batch
@@ -152,23 +266,29 @@ class TrajectoryDataset:
     def _next_batch(self) -> SampledBatch | None:
         if self._done:
             return None
+        self._ensure_started()
+        if not self._asked:  # one request per batch wanted (tables selected on demand wait for it)
+            self._demand.release()
+            self._asked = True
         while True:
             try:
-                item = self._queue.get(timeout=_POLL_S)
+                entry = self._queue.get(timeout=_POLL_S)
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     self._done = True
                     return None
-        if item is _END:
+        self._asked = False
+        if entry is None:
             self._done = True
             return None
-        if isinstance(item, _Failure):
+        if isinstance(entry, _Failure):
             self._done = True
-            raise item.error
-        return item
+            raise entry.error
+        return entry
 
     def __iter__(self) -> TrajectoryDataset:
+        self._ensure_started()
         return self
 
     def __next__(self) -> ReplaySample:
@@ -183,11 +303,16 @@ class TrajectoryDataset:
     @property
     def plane(self) -> str | None:
         """The data plane in use ("shm", "rdma" or "inline"); after close, the last one used."""
-        return self._sampler.kind or self.plane_kind
+        kind = self._sampler.kind if self._sampler is not None else None
+        return kind or self.plane_kind
 
     # ---------------------------------------------------------------- lifecycle
     def close(self, timeout: float = 10.0) -> None:
         """Stop prefetching, end the session, join the thread. Idempotent."""
+        if self._started_in != os.getpid():
+            # Never started here, or inherited through fork: the session and thread belong to another process.
+            self._done = True
+            return
         self._stop.set()
         self._sampler.close()
         while True:  # unblock a producer waiting on a full queue
@@ -218,12 +343,21 @@ class TimestepDataset(TrajectoryDataset):
     one-step items): data leaves are ``[batch, *shape]``.
     """
 
-    def __init__(self, server_address: Any, table: str, batch_size: int, **kwargs: Any):
+    def _configure(self, server_address: Any, table: str, batch_size: int, **kwargs: Any) -> None:
         if kwargs.get("window") not in (None, 1):
             raise ValueError("TimestepDataset takes one step per item; window is not an option")
         kwargs["window"] = 1
-        super().__init__(server_address, table, batch_size, **kwargs)
+        super()._configure(server_address, table, batch_size, **kwargs)
 
     def _to_output(self, batch: SampledBatch) -> SampledBatch:
         batch.columns = [c if squeezed else c[:, 0] for c, squeezed in zip(batch.columns, batch.squeeze, strict=True)]
         return super()._to_output(batch)
+
+
+def _torch_worker() -> tuple[int, int] | None:
+    """(worker id, number of workers) inside a PyTorch DataLoader worker, else None (torch not imported here)."""
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return None
+    info = data.get_worker_info()
+    return None if info is None else (info.id, info.num_workers)

@@ -195,6 +195,12 @@ class RdmaPlane:
         """The reads complete before this returns (the CPU polls completions); the batch is ready."""
         return Pending(None, self.fetch(selection, window))
 
+    def pipelined(self) -> None:
+        """Nothing changes: the reads of a batch complete within start() (the CPU polls completions)."""
+
+    def cancel(self) -> None:
+        """Nothing to end: READs in flight complete or time out within fetch()."""
+
     def fetch(self, selection: ItemSelection, window: WindowSpec) -> SampledBatch:
         layout = self.layout
         n = len(selection)

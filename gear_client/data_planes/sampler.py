@@ -2,7 +2,9 @@
 
 It opens a data-plane session (offering shm, rdma and inline as allowed and
 available), then for each batch selects items, moves their bytes over the plane
-and releases the lease. It recovers by itself from what happens in a long run:
+and releases the lease. It talks to planes only through the protocols of
+``plane`` (a ``ReadingPlane`` for shm and rdma, a ``SamplingPlane`` for inline).
+It recovers by itself from what happens in a long run:
 
 * the plane fails to come up (segment not openable, RDMA connection refused):
   the session is closed and the next best plane negotiated;
@@ -18,20 +20,24 @@ and releases the lease. It recovers by itself from what happens in a long run:
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import sys
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from gear_client import errors
-from gear_client.data_planes.batch import SampledBatch
+from gear_client.data_planes.batch import Pending, SampledBatch
+from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
 from gear_client.data_planes.range_planning import WindowSpec
-from gear_client.data_planes.session import PendingSelect, PlaneSession
+from gear_client.data_planes.session import ItemSelection, PendingSelect, PlaneSession
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
@@ -47,12 +53,29 @@ MAX_OUTGROWN_LAYOUTS = 8
 # Pipelined batches(): gathers running before the oldest is waited for, and Selects sent ahead.
 PIPELINE_DEPTH = 3
 PIPELINE_PREFETCH = 2
+# Items one pipelined Select asks for at most when it asks for several batches (batches_per_select
+# None): enough that a batch of 32 items is not bound by the Select round trip, few enough that the
+# slots leased at once stay well inside a table's spare slots.
+ITEMS_PER_SELECT = 256
+MAX_BATCHES_PER_SELECT = 8
+MAX_SELECT_ITEMS = 1 << 20  # the daemon's cap on one Select
 DRAIN_WAIT_S = 1.0  # how long closing a pipeline waits for its Selects in flight before cancelling them
-_STALE = object()
-_REOPENED = object()
-_DROP = object()
-_RETURN = object()
-_OUTGROWN = object()
+
+
+class Retry(enum.Enum):
+    """Why one select-read-release round gave no batch (sample() then tries again)."""
+
+    STALE = "stale"  # the lease came back stale: the bytes cannot be trusted
+    REOPENED = "reopened"  # the session or the plane was re-negotiated
+    OUTGROWN = "outgrown"  # the layout's segment was gone before it was mapped: a later answer brings the newer
+
+
+class LayoutStep(enum.Enum):
+    """What the pipeline does with a Select answer after following the table's layout."""
+
+    GATHER = "gather"  # the plane reads the segment the answer addresses
+    DROP = "drop"  # release it unread (selected before a growth, or its segment is gone)
+    RECOVER = "recover"  # leave the pipeline: sample()'s recovery re-opens
 
 
 _open_samplers: weakref.WeakSet[PlaneSampler] = weakref.WeakSet()
@@ -104,6 +127,67 @@ def _raw_sample_call(channel: grpc.Channel):
                                 request_serializer=pb.SampleRequest.SerializeToString, response_deserializer=None)
 
 
+def select_width(batch_size: int, asked: int | None = None) -> int:
+    """Batches one pipelined Select asks for: ``asked``, or as many as fit ITEMS_PER_SELECT (at most 8)."""
+    if asked is not None:
+        if asked < 1:
+            raise ValueError(f"batches_per_select must be >= 1, got {asked}")
+        return max(1, min(int(asked), MAX_SELECT_ITEMS // batch_size))
+    return max(1, min(MAX_BATCHES_PER_SELECT, ITEMS_PER_SELECT // batch_size))
+
+
+@dataclass
+class PipelineState:
+    """A pipeline's work in flight, oldest first (see PlaneSampler._pipeline).
+
+    ``selects``: Selects sent; ``gathering``: (lease, gather) per batch being
+    gathered; ``open_gathers``: per lease, its batches still being gathered;
+    ``verdicts``: per lease whose gathers all ended, its batches, waiting for the
+    verdict of the Select that ends the lease; ``to_release``: leases the next
+    Select ends; ``ready``: batches whose lease came back intact.
+    """
+
+    selects: deque[PendingSelect] = field(default_factory=deque)
+    gathering: deque[tuple[int, Pending]] = field(default_factory=deque)
+    open_gathers: dict[int, int] = field(default_factory=dict)
+    gathered: dict[int, list[SampledBatch]] = field(default_factory=dict)
+    verdicts: dict[int, list[SampledBatch]] = field(default_factory=dict)
+    to_release: list[int] = field(default_factory=list)
+    ready: deque[SampledBatch] = field(default_factory=deque)
+
+    def start(self, lease: int, gathers: list[Pending]) -> None:
+        self.open_gathers[lease] = len(gathers)
+        self.gathered[lease] = []
+        self.gathering.extend((lease, g) for g in gathers)
+
+    def finish_oldest(self) -> None:
+        """Wait for the oldest gather; a lease whose gathers all ended (a failed one too) may go."""
+        lease, gather = self.gathering.popleft()
+        try:
+            self.gathered[lease].append(gather.wait())
+        finally:
+            self.open_gathers[lease] -= 1
+            if self.open_gathers[lease] == 0:
+                del self.open_gathers[lease]
+                self.verdicts[lease] = self.gathered.pop(lease)
+                self.to_release.append(lease)
+
+    def finish_all(self) -> None:
+        while self.gathering:
+            self.finish_oldest()
+
+    def judge(self, released: list[int], stale: set[int]) -> int:
+        """Take the verdicts on ``released`` leases: intact batches become ready; returns the stale batches."""
+        dropped = 0
+        for lease in released:
+            batches = self.verdicts.pop(lease, [])
+            if lease in stale:
+                dropped += len(batches)
+            else:
+                self.ready.extend(batches)
+        return dropped
+
+
 class PlaneSampler:
     """Batches of one table over the best negotiated plane (see module docstring). Thread safe."""
 
@@ -123,12 +207,14 @@ class PlaneSampler:
         self._stub, self._sample_call, self._channel = connect(target)
         self._excluded: set[str] = set()
         self._lock = threading.RLock()
-        self._plane: Any = None
+        self._reader: ReadingPlane | None = None  # shm or rdma, with self._session
+        self._inline: SamplingPlane | None = None
         self._session: PlaneSession | None = None
         self._layout: TableLayout | None = None
         self.stale_batches = 0  # batches dropped because their lease came back stale
         self.reopens = 0
         self.outgrown_layouts = 0  # layouts skipped because the table grew again before they were mapped
+        self.selects = 0  # Selects answered (pipelined ones carry several batches)
         self._outgrown_in_row = 0
         self._gone_version = -1  # the newest layout version whose segment was found unlinked
         self.closed = False
@@ -136,12 +222,28 @@ class PlaneSampler:
 
     # ----------------------------------------------------------------- opening
     @property
+    def _plane(self) -> Plane | None:
+        return self._reader if self._reader is not None else self._inline
+
+    @property
     def kind(self) -> str | None:
         """The plane in use ("shm", "rdma", "inline"), or None before the first open."""
         with self._lock:
             if self._session is not None:
                 return self._session.kind
-            return self._plane.kind if self._plane is not None else None
+            plane = self._plane
+            return plane.kind if plane is not None else None
+
+    def table_info(self) -> pb.TableInfo:
+        """The table's configuration and counters (ServerInfo); KeyError naming the table if the daemon has none."""
+        try:
+            response = self._stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc, "server_info") from exc
+        for info in response.table_info:
+            if info.name == self.table:
+                return info
+        raise KeyError(f"the daemon has no table '{self.table}'")
 
     def _allowed(self) -> list[str]:
         allowed = [p for p in self.planes if p not in self._excluded]
@@ -188,13 +290,13 @@ class PlaneSampler:
             if response.kind == negotiation.INLINE:
                 from gear_client.data_planes.inline import InlinePlane
 
-                self._plane = InlinePlane(self._stub, self.table, layout, sample_call=self._sample_call,
-                                          metadata=self.metadata)
+                self._inline = InlinePlane(self._stub, self.table, layout, sample_call=self._sample_call,
+                                           metadata=self.metadata)
                 self._session, self._layout = None, layout
                 return
             session = PlaneSession(self._stub, self.table, response, metadata=self.metadata)
             try:  # an empty table has no layout yet: the first Select brings it
-                self._plane = self._build(response, session, layout, conn)
+                self._reader = self._build(response, session, layout, conn)
             except Exception as exc:  # noqa: BLE001 - the plane cannot come up here: next best
                 log.info("%s plane for table '%s' unusable (%s); falling back", response.kind, self.table, exc)
                 session.close()
@@ -205,7 +307,8 @@ class PlaneSampler:
             self._session, self._layout = session, layout
             return
 
-    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout | None, conn):
+    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout | None,
+               conn) -> ReadingPlane:
         if response.kind == negotiation.SHM:
             from gear_client.data_planes.shm import ShmPlane
 
@@ -221,7 +324,8 @@ class PlaneSampler:
 
     def _drop_plane(self) -> None:
         plane, session = self._plane, self._session
-        self._plane = self._session = None
+        self._reader = self._inline = None
+        self._session = None
         if plane is not None:
             try:
                 plane.close()
@@ -237,23 +341,29 @@ class PlaneSampler:
         self._drop_plane()
         self._open()
 
+    def _ensure_open(self) -> None:
+        if self.closed:
+            raise SamplerClosedError("this sampler is closed")
+        if self._plane is None:
+            self._open()
+
     def open(self) -> str:
         """Negotiate now (sample() does it on first use); returns the plane's kind."""
         with self._lock:
-            if self.closed:
-                raise SamplerClosedError("this sampler is closed")
-            if self._plane is None and self._session is None:
-                self._open()
+            self._ensure_open()
             return self.kind
 
     # ----------------------------------------------------------------- sampling
     def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
-        """``num_samples`` items (fewer only when ``timeout`` passes after some were picked), padded per ``window``."""
+        """``num_samples`` items (fewer only when ``timeout`` passes after some were picked), padded per ``window``.
+
+        One Select (or one Sample call inline) for exactly this batch: nothing is
+        taken from the table that this call does not return.
+        """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         with self._lock:
-            if self.closed:
-                raise SamplerClosedError("this sampler is closed")
+            self._ensure_open()
             try:
                 return self._sample_locked(num_samples, window, timeout)
             except Exception as exc:
@@ -262,180 +372,171 @@ class PlaneSampler:
                 raise
 
     def _sample_locked(self, num_samples: int, window: WindowSpec, timeout: float | None) -> SampledBatch:
-        if self._plane is None and self._session is None:
-            self._open()
         stale = retries = 0
         while True:
-            if self._session is None:  # inline
+            self._ensure_open()
+            if self._inline is not None:
                 try:
-                    return self._plane.sample(num_samples, window=window, timeout=timeout)
+                    return self._inline.sample(num_samples, window=window, timeout=timeout)
                 except grpc.RpcError as exc:
                     raise errors.from_rpc_error(exc, "sample") from exc
             outcome = self._sample_referenced(num_samples, window, timeout)
-            if outcome is _STALE:
+            if isinstance(outcome, SampledBatch):
+                return outcome
+            if outcome is Retry.STALE:
                 stale += 1
                 self.stale_batches += 1
                 if stale > self.max_stale_retries:
                     raise StaleBatchError(f"{stale} batches in a row from table '{self.table}' came back stale")
-            elif outcome is _OUTGROWN:
-                continue  # the next Select brings the newer layout (bounded by MAX_OUTGROWN_LAYOUTS)
-            elif outcome is _REOPENED:
+            elif outcome is Retry.REOPENED:
                 retries += 1
                 if retries > MAX_REOPENS:
                     raise RuntimeError(f"the data plane of table '{self.table}' keeps changing "
                                        f"({retries} re-negotiations for one batch)")
-            else:
-                return outcome
+            # Retry.OUTGROWN: the next Select brings the newer layout (bounded by MAX_OUTGROWN_LAYOUTS)
 
-    def _sample_referenced(self, num_samples: int, window: WindowSpec, timeout: float | None):
-        """One select-read-release round on shm/rdma: a batch, _STALE or _REOPENED."""
-        session = self._session
+    def _sample_referenced(self, num_samples: int, window: WindowSpec, timeout: float | None) -> SampledBatch | Retry:
+        """One select-read-release round on shm/rdma: a batch, or why there is none."""
+        session, plane = self._session, self._reader
+        assert session is not None and plane is not None
         ncols = len(self._layout.columns) if self._layout is not None else None
         try:
             selection = session.select(num_samples, ncols, timeout)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:  # session reaped: open a new one
                 self._reopen()
-                return _REOPENED
+                return Retry.REOPENED
             raise errors.from_rpc_error(exc, "sample") from exc
+        self.selects += 1
         try:
             if selection.layout is not None:  # first items, or the table grew: same lease, new segment
-                if not self._map_layout(self._plane, selection.layout, selection.region):
+                if not self._map_layout(plane, selection.layout, selection.region):
                     self._release_quietly(session, selection.lease_id)
-                    return _OUTGROWN
+                    return Retry.OUTGROWN
             elif self._layout is None or selection.layout_version != self._layout.version:
                 self._release_quietly(session, selection.lease_id)
                 self._reopen()
-                return _REOPENED
-            batch = self._plane.fetch(selection, window)
+                return Retry.REOPENED
+            batch = plane.fetch(selection, window)
         except Exception as exc:  # noqa: BLE001 - the plane broke (RDMA error, unmapped segment): next best
             if self.closed:
                 raise
-            log.warning("%s plane failed while reading (%s); falling back", self._plane.kind, exc)
+            log.warning("%s plane failed while reading (%s); falling back", plane.kind, exc)
             self._release_quietly(session, selection.lease_id)
-            self._reopen(exclude=self._plane.kind)
-            return _REOPENED
+            self._reopen(exclude=plane.kind)
+            return Retry.REOPENED
         try:
             stale = session.release([selection.lease_id])
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:
                 self._reopen()
-                return _STALE  # the lease ended with the session: the bytes cannot be trusted
+                return Retry.STALE  # the lease ended with the session: the bytes cannot be trusted
             raise errors.from_rpc_error(exc, "sample") from exc
         if selection.lease_id in stale:
-            return _STALE
+            return Retry.STALE
         return batch
 
     def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None,
-                depth: int = PIPELINE_DEPTH, prefetch: int = PIPELINE_PREFETCH):
+                depth: int = PIPELINE_DEPTH, prefetch: int = PIPELINE_PREFETCH,
+                batches_per_select: int | None = None) -> Iterator[SampledBatch]:
         """Batches without end, pipelined: Selects and gathers of later batches overlap the current one.
 
-        Up to ``prefetch`` Selects are on their way (the daemon picks the next
-        batches while this learner gathers), and the oldest gather is waited for
-        once ``depth`` are running (on a GPU each runs on its own stream). A
-        gathered batch's lease is ended by the next Select sent, whose answer says
-        whether that batch was stale (then it is dropped); a batch is handed out
-        only after that verdict, so it is complete and intact. A reaped session or
-        a layout the pipeline cannot follow (a new segment that cannot be mapped)
-        drains the pipeline and goes through ``sample()``'s recovery; an error
-        while gathering ends the generator with that error. Closing the generator
-        releases the leases still in flight. A stale batch means leases
-        outlive the daemon's lease timeout: the pipeline then narrows to one Select
-        ahead and two gathers.
+        Reads ahead: use it only on tables whose sampling neither consumes items
+        nor is held back by a rate limiter (``read_ahead.may_read_ahead``); the
+        datasets check. Up to ``prefetch`` Selects are on their way (the daemon
+        picks the next batches while this learner gathers), each asking for
+        ``batches_per_select`` batches at once (default: as many as fit
+        ITEMS_PER_SELECT items, at most 8), so that small batches are not bound by
+        the Select round trip. The oldest gather is waited for once ``depth``
+        batches are being gathered (on a GPU each runs on its own stream). A
+        Select's lease is ended by the next Select sent after all its batches are
+        gathered, whose answer says whether they were stale (then they are
+        dropped); a batch is handed out only after that verdict, so it is complete
+        and intact. A reaped session or a layout the pipeline cannot follow (a new
+        segment that cannot be mapped) drains the pipeline and goes through
+        ``sample()``'s recovery; an error while gathering ends the generator with
+        that error. Closing the generator releases the leases still in flight. A
+        stale batch means leases outlive the daemon's lease timeout: the pipeline
+        then narrows to one Select ahead of one batch and two gathers.
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        per_select = select_width(num_samples, batches_per_select)
         while True:
             with self._lock:
-                if self.closed:
-                    raise SamplerClosedError("this sampler is closed")
-                if self._plane is None and self._session is None:
-                    self._open()
-                pipelined = self._session is not None and getattr(self._plane, "start", None) is not None
+                self._ensure_open()
+                pipelined = self._session is not None
             if not pipelined:
                 yield self.sample(num_samples, window=window, timeout=timeout)
                 continue
-            yield from self._pipeline(num_samples, window, timeout, max(1, depth), max(1, prefetch))
+            yield from self._pipeline(num_samples, window, timeout, max(1, depth), max(1, prefetch), per_select)
             yield self.sample(num_samples, window=window, timeout=timeout)  # recovery, then pipeline again
 
-    def _pipeline(self, num_samples: int, window: WindowSpec, timeout: float | None, depth: int, prefetch: int):
-        """Select/gather/release in a pipeline until something needs sample()'s recovery.
-
-        Four queues, oldest first: Selects sent (``selects``), gathers running
-        (``gathering``), gathered batches whose lease went out with a later Select
-        and wait for its verdict (``verdicts``), and leases to end with the next
-        Select (``to_release``).
-        """
-        session, plane = self._session, self._plane
-        if hasattr(plane, "pipelined"):
-            plane.pipelined()
+    def _pipeline(self, num_samples: int, window: WindowSpec, timeout: float | None, depth: int, prefetch: int,
+                  per_select: int) -> Iterator[SampledBatch]:
+        """Select/gather/release in a pipeline until something needs sample()'s recovery (PipelineState's queues)."""
+        session, plane = self._session, self._reader
+        assert session is not None and plane is not None
+        plane.pipelined()
         ncols = len(self._layout.columns) if self._layout is not None else None
-        selects: deque[PendingSelect] = deque()
-        gathering: deque = deque()  # (selection, Pending)
-        verdicts: dict[int, SampledBatch] = {}  # lease -> its batch (in the order the leases were sent)
-        to_release: list[int] = []
-        ready: deque[SampledBatch] = deque()
+        state = PipelineState()
         try:
             while True:
                 with self._lock:
                     if self.closed:
                         raise SamplerClosedError("this sampler is closed")
-                    while len(selects) < prefetch:
-                        selects.append(session.select_async(num_samples, ncols, timeout, to_release))
-                        to_release = []
-                pending = selects.popleft()
+                    while len(state.selects) < prefetch:
+                        state.selects.append(session.select_async(num_samples * per_select, ncols, timeout,
+                                                                  state.to_release))
+                        state.to_release = []
+                pending = state.selects.popleft()
                 try:
                     selection, stale = pending.result()
                 except grpc.RpcError as exc:
-                    to_release.extend(pending.released)  # their verdicts are lost: the batches are dropped
+                    state.to_release.extend(pending.released)  # their verdicts are lost: the batches are dropped
                     for lease in pending.released:
-                        verdicts.pop(lease, None)
+                        state.verdicts.pop(lease, None)
                     if self.closed:
                         raise SamplerClosedError("the sampler was closed while sampling") from exc
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         return  # session reaped: sample() re-opens
                     raise errors.from_rpc_error(exc, "sample") from exc
-                for lease in pending.released:
-                    batch = verdicts.pop(lease, None)
-                    if batch is None:
-                        continue  # a selection dropped without gathering
-                    if lease in stale:
-                        self.stale_batches += 1
-                        # leases outlive the lease timeout: hold fewer at a time (as many as unpipelined + 1)
-                        depth, prefetch = min(depth, 2), 1
-                    else:
-                        ready.append(batch)
+                self.selects += 1
+                dropped = state.judge(pending.released, stale)
+                if dropped:
+                    self.stale_batches += dropped
+                    # leases outlive the lease timeout: hold fewer at a time (as many as unpipelined + 1)
+                    depth, prefetch, per_select = min(depth, 2), 1, 1
                 with self._lock:  # close() frees the plane under this lock: never start a gather on a freed one
                     if self.closed:
-                        to_release.append(selection.lease_id)
+                        state.to_release.append(selection.lease_id)
                         raise SamplerClosedError("the sampler was closed while sampling")
-                    action = self._follow_layout(selection, selects, gathering, verdicts, to_release, plane)
-                    if action is _RETURN:
-                        to_release.append(selection.lease_id)
+                    step = self._follow_layout(selection, state, plane)
+                    if step is LayoutStep.RECOVER:
+                        state.to_release.append(selection.lease_id)
                         return
-                    if action is _DROP:
-                        to_release.append(selection.lease_id)
+                    if step is LayoutStep.DROP:
+                        state.to_release.append(selection.lease_id)
                     else:
                         ncols = len(self._layout.columns)
+                        gathers: list[Pending] = []
                         try:
-                            gathering.append((selection, plane.start(selection, window)))
-                        except Exception:
-                            to_release.append(selection.lease_id)
-                            raise
-                while len(gathering) >= depth:
-                    done, gather = gathering.popleft()
-                    try:
-                        verdicts[done.lease_id] = gather.wait()
-                    finally:
-                        to_release.append(done.lease_id)  # the gather ended (a failed one too): the lease may go
-                while ready:
-                    yield ready.popleft()
+                            for part in selection.split(num_samples):
+                                gathers.append(plane.start(part, window))
+                        finally:
+                            if gathers:
+                                state.start(selection.lease_id, gathers)
+                            else:
+                                state.to_release.append(selection.lease_id)
+                while len(state.gathering) >= depth:
+                    state.finish_oldest()
+                while state.ready:
+                    yield state.ready.popleft()
         finally:
-            self._drain(session, selects, gathering, list(verdicts) + to_release)
+            self._drain(session, state)
 
-    def _follow_layout(self, selection, selects: deque, gathering: deque, verdicts: dict, to_release: list,
-                       plane) -> Any:
-        """Map the segment a selection addresses: None (gather it), _DROP (release it unread) or _RETURN.
+    def _follow_layout(self, selection: ItemSelection, state: PipelineState, plane: ReadingPlane) -> LayoutStep:
+        """Map the segment a selection addresses: gather it, drop it (release unread) or recover.
 
         Selects in flight can be answered in another order than they were sent,
         so the one that brings a new layout may come after others that already
@@ -446,16 +547,16 @@ class PlaneSampler:
         version = selection.layout_version
         layout = selection.layout
         if layout is None and current is not None and version == current:
-            return None
+            return LayoutStep.GATHER
         if current is not None and version < current:
-            return _DROP  # selected before the table grew, answered after a Select that saw the growth
+            return LayoutStep.DROP  # selected before the table grew, answered after a Select that saw the growth
         if version <= self._gone_version:
-            return _DROP  # addresses a segment already unlinked: a later answer brings the newer layout
+            return LayoutStep.DROP  # addresses a segment already unlinked: a later answer brings the newer layout
         if layout is not None and current is not None and layout.version == current:
-            return None  # brought again (out of order): already mapped
+            return LayoutStep.GATHER  # brought again (out of order): already mapped
         region = selection.region
         if layout is None:  # a newer segment, whose layout another answer in flight brings
-            for other in selects:
+            for other in state.selects:
                 try:
                     later, _ = other.result()
                 except grpc.RpcError:
@@ -464,22 +565,19 @@ class PlaneSampler:
                     layout, region = later.layout, later.region
                     break
             if layout is None:
-                return _RETURN  # should not happen: sample() re-opens
-        for done, gather in gathering:  # nothing may still read the old segment
-            verdicts[done.lease_id] = gather.wait()
-            to_release.append(done.lease_id)
-        gathering.clear()
+                return LayoutStep.RECOVER  # should not happen: sample() re-opens
+        state.finish_all()  # nothing may still read the old segment
         try:
             if not self._map_layout(plane, layout, region):
-                return _DROP
+                return LayoutStep.DROP
         except Exception as exc:  # noqa: BLE001 - cannot map the new segment: next best plane
             log.warning("%s plane cannot switch to the new layout (%s); falling back", plane.kind, exc)
             with self._lock:
                 self._excluded.add(plane.kind)
-            return _RETURN
-        return None
+            return LayoutStep.RECOVER
+        return LayoutStep.GATHER
 
-    def _map_layout(self, plane, layout: TableLayout, region) -> bool:
+    def _map_layout(self, plane: ReadingPlane, layout: TableLayout, region: pb.RdmaRegion | None) -> bool:
         """Switch the plane to ``layout``; False if its segment is already gone because the table grew again.
 
         The daemon attaches the table's layout of the moment to an answer; a
@@ -502,19 +600,19 @@ class PlaneSampler:
         self._layout = layout
         return True
 
-    def _drain(self, session: PlaneSession, selects: deque, gathering: deque, leases: list[int]) -> None:
-        """End a pipeline: wait for its gathers, collect or cancel its Selects, release every lease."""
+    def _drain(self, session: PlaneSession, state: PipelineState) -> None:
+        """End a pipeline: wait for its gathers, collect or cancel its Selects, release every lease once."""
         if sys.is_finalizing():
             return  # a generator dropped at exit: its sampler was closed at exit already (_close_open_samplers)
-        for selection, gather in gathering:
+        while state.gathering:
             try:
-                gather.wait()  # never release a lease while its bytes are still being read
+                state.finish_oldest()  # never release a lease while its bytes are still being read
             except Exception:  # noqa: BLE001
                 pass
-            leases.append(selection.lease_id)
+        leases = dict.fromkeys([*state.verdicts, *state.to_release])
         deadline = time.monotonic() + DRAIN_WAIT_S
-        for pending in selects:
-            leases.extend(pending.released)  # their Select may never reach the daemon
+        for pending in state.selects:
+            leases.update(dict.fromkeys(pending.released))  # their Select may never reach the daemon
             try:
                 try:
                     selection, _ = pending.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -522,12 +620,12 @@ class PlaneSampler:
                     if pending.cancel():
                         continue  # the daemon ends a cancelled Select (and releases what it selected)
                     selection, _ = pending.result()
-                leases.append(selection.lease_id)
+                leases[selection.lease_id] = None
             except (grpc.RpcError, grpc.FutureCancelledError):
                 pass
         if leases and not session.closed:
             try:
-                session.release(leases)
+                session.release(list(leases))
             except grpc.RpcError:
                 pass
 
@@ -547,9 +645,8 @@ class PlaneSampler:
         session, plane = self._session, self._plane
         if session is not None:
             session.close()  # the daemon ends a Select blocked on this session
-        cancel = getattr(plane, "cancel", None)
-        if cancel is not None:
-            cancel()
+        if plane is not None:
+            plane.cancel()  # inline: ends a Sample call blocked in another thread
         with self._lock:
             self._drop_plane()
             if self._channel is not None:

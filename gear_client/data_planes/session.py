@@ -32,6 +32,23 @@ class ItemSelection:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def split(self, batch_size: int) -> list[ItemSelection]:
+        """Consecutive batches of ``batch_size`` items (the last may be short), all under this lease.
+
+        A Select that asked for several batches at once is gathered batch by
+        batch; the layout (if any) travels with the first part only.
+        """
+        n = len(self)
+        if n <= batch_size:
+            return [self]
+        parts = []
+        for start in range(0, n, batch_size):
+            cut = slice(start, start + batch_size)
+            parts.append(ItemSelection(self.slots[cut], self.generations[cut], self.lengths[cut],
+                                       tuple(info[cut] for info in self.infos), self.lease_id, self.layout_version,
+                                       self.layout if start == 0 else None, self.region if start == 0 else None))
+        return parts
+
 
 def _array(tensor: pb.Tensor, dtype: str) -> np.ndarray:
     arr = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).reshape(tuple(tensor.shape))

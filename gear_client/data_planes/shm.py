@@ -229,6 +229,9 @@ class ShmPlane:
         future = self._worker.submit(copy)  # NumPy copies release the GIL: the next Select overlaps
         return Pending(future.result)
 
+    def cancel(self) -> None:
+        """Nothing to end: a gather never waits on the daemon (closing the session ends a Select)."""
+
     def pipelined(self) -> None:
         """Gather on a worker thread from now on (start() returns before the copy is done)."""
         if self._worker is None and not self._gpu:

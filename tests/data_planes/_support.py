@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import sys
 import threading
 import zlib
 from dataclasses import dataclass
@@ -31,12 +32,15 @@ _instances = itertools.count()
 
 
 def table_config(name: str = "t", max_size: int = 64, *, sampler: str = "uniform", remover: str = "fifo",
-                 spare: int | None = None, max_times_sampled: int = 0) -> pb.TableConfig:
-    return pb.TableConfig(
-        name=name, max_size=max_size, max_times_sampled=max_times_sampled,
-        sampler=pb.SelectorOptions(**{sampler: True}), remover=pb.SelectorOptions(**{remover: True}),
-        rate_limiter=pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=-1e12,
-                                           max_diff=1e12))
+                 spare: int | None = None, max_times_sampled: int = 0,
+                 rate_limiter: pb.RateLimiterOptions | None = None) -> pb.TableConfig:
+    """A table's config; the rate limiter is MinSize(1) unless given."""
+    if rate_limiter is None:
+        rate_limiter = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1,
+                                             min_diff=-sys.float_info.max, max_diff=sys.float_info.max)
+    return pb.TableConfig(name=name, max_size=max_size, max_times_sampled=max_times_sampled,
+                          sampler=pb.SelectorOptions(**{sampler: True}), remover=pb.SelectorOptions(**{remover: True}),
+                          rate_limiter=rate_limiter)
 
 
 class PlaneDaemon(Daemon):

@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from types import SimpleNamespace
 
-from gear_client.data_planes import sampler as sampler_module
-from gear_client.data_planes.sampler import MAX_OUTGROWN_LAYOUTS, PlaneSampler
+from gear_client.data_planes.sampler import MAX_OUTGROWN_LAYOUTS, LayoutStep, PipelineState, PlaneSampler
 
 from ._support import check_batch, fill, insert, start_daemon, table_config
 
@@ -57,7 +55,8 @@ def test_a_pipeline_follows_a_layout_whose_segment_is_already_gone(caplog):
             insert(table, 99, length=16, dim=16)  # a growth: the next answers bring its layout
             deadline = time.monotonic() + 20
             checked = 0
-            while (len(sent) < 3 or checked < 40) and time.monotonic() < deadline:
+            while (len(sent) < 3 or checked < 40 or s._layout.version != table.layout().version) \
+                    and time.monotonic() < deadline:  # batches selected before a growth come first
                 checked += check_batch(next(stream))
             assert len(sent) == 3, "the daemon did not send the layouts the test outdates"
             assert not any(os.path.exists(path) for path in sent)  # each was unlinked before the learner mapped it
@@ -143,15 +142,15 @@ def test_a_segment_that_never_shows_up_still_falls_back():
 
     s = PlaneSampler(object(), "t")  # a stub stand-in: nothing is called on it
     s._layout = SimpleNamespace(version=1, columns=(0, 1, 2))
-    verdicts, to_release = {}, []
+    state = PipelineState()
     outcomes = []
     for version in range(2, MAX_OUTGROWN_LAYOUTS + 3):
         answer = SimpleNamespace(lease_id=version, layout_version=version, region=None,
                                  layout=SimpleNamespace(version=version, columns=(0, 1, 2)))
-        outcomes.append(s._follow_layout(answer, deque(), deque(), verdicts, to_release, Unmappable()))
-    assert outcomes[:MAX_OUTGROWN_LAYOUTS] == [sampler_module._DROP] * MAX_OUTGROWN_LAYOUTS
-    assert outcomes[MAX_OUTGROWN_LAYOUTS] is sampler_module._RETURN and "shm" in s._excluded
+        outcomes.append(s._follow_layout(answer, state, Unmappable()))
+    assert outcomes[:MAX_OUTGROWN_LAYOUTS] == [LayoutStep.DROP] * MAX_OUTGROWN_LAYOUTS
+    assert outcomes[MAX_OUTGROWN_LAYOUTS] is LayoutStep.RECOVER and "shm" in s._excluded
     # an answer addressing a segment known gone is released unread, without trying to map it
     stale = SimpleNamespace(lease_id=99, layout_version=3, layout=None, region=None)
-    assert s._follow_layout(stale, deque(), deque(), verdicts, to_release, Unmappable()) is sampler_module._DROP
+    assert s._follow_layout(stale, state, Unmappable()) is LayoutStep.DROP
     assert s._layout.version == 1 and s.outgrown_layouts == MAX_OUTGROWN_LAYOUTS

@@ -270,7 +270,7 @@ def test_pipelined_batches_follow_a_growing_table_without_resampling():
     try:
         t = d.tables["t"]
         with PlaneSampler(d.address(), "t") as s:
-            stream = s.batches(2)
+            stream = s.batches(2, batches_per_select=1)
             fill(t, 2, length=4, dim=8)  # the first Select brings the first layout
             first = next(stream)
             insert(t, 50, length=20, dim=8)  # grows into a new segment

@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gear_client.data_planes import sampler as sampler_module
 from gear_client.data_planes import shm as shm_module
-from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
+from gear_client.data_planes.sampler import LayoutStep, PipelineState, PlaneSampler, SamplerClosedError
 
 from ._support import check_batch, fill, insert, start_daemon, table_config
 
@@ -63,19 +62,34 @@ def test_answers_out_of_order_around_a_growth_are_followed_without_reopening():
     s = PlaneSampler(object(), "t")  # a stub stand-in: nothing is called on it
     plane = Plane()
     s._layout = layout(1)
-    gathering = deque([(selection(7, 1), Gather())])
-    verdicts, to_release = {}, []
+    state = PipelineState()
+    state.start(7, [Gather()])
     # a Select that already addresses the grown segment, answered before the one that brings its layout
-    later = deque([Answered(selection(9, 2, layout(2)))])
-    assert s._follow_layout(selection(8, 2), later, gathering, verdicts, to_release, plane) is None
+    state.selects = deque([Answered(selection(9, 2, layout(2)))])
+    assert s._follow_layout(selection(8, 2), state, plane) is LayoutStep.GATHER
     assert plane.mapped == [2] and s._layout.version == 2
-    assert verdicts == {7: "batch"} and to_release == [7] and not gathering  # the old segment's reads are done
+    # the old segment's reads are done: the lease may go, its batch waits for the verdict
+    assert state.verdicts == {7: ["batch"]} and state.to_release == [7] and not state.gathering
     # the answer that brings it is already followed; one selected before the growth is dropped unread
-    assert s._follow_layout(selection(9, 2, layout(2)), deque(), gathering, verdicts, to_release, plane) is None
-    assert s._follow_layout(selection(10, 1), deque(), gathering, verdicts, to_release, plane) is sampler_module._DROP
+    state.selects = deque()
+    assert s._follow_layout(selection(9, 2, layout(2)), state, plane) is LayoutStep.GATHER
+    assert s._follow_layout(selection(10, 1), state, plane) is LayoutStep.DROP
     assert plane.mapped == [2]
     # a newer segment nobody brings the layout of: recovery (re-open)
-    assert s._follow_layout(selection(11, 3), deque(), gathering, verdicts, to_release, plane) is sampler_module._RETURN
+    assert s._follow_layout(selection(11, 3), state, plane) is LayoutStep.RECOVER
+
+
+def test_pipeline_state_releases_a_lease_once_all_its_batches_are_gathered_and_judges_them_together():
+    state = PipelineState()
+    state.start(1, [Gather(), Gather(), Gather()])
+    state.start(2, [Gather()])
+    state.finish_oldest()
+    state.finish_oldest()
+    assert state.to_release == [] and state.open_gathers == {1: 1, 2: 1}  # lease 1 still has a batch being read
+    state.finish_all()
+    assert state.to_release == [1, 2] and not state.open_gathers
+    assert state.judge([1], stale=set()) == 0 and len(state.ready) == 3
+    assert state.judge([2], stale={2}) == 1 and len(state.ready) == 3  # a stale lease drops its batches
 
 
 def test_selects_are_sent_ahead_and_every_lease_ends_with_the_stream():
