@@ -1,14 +1,19 @@
-"""Protobuf wire-format pieces written and read by hand around raw buffers.
+"""Protobuf wire-format pieces written and read by hand around raw buffers: the only such module.
 
 The insert and sample paths frame multi-MiB column buffers themselves so the
-bytes are copied once (protobuf would copy them into and out of messages);
-everything small is still encoded by protobuf. Field numbers come from
-protos/gear/v1/replay.proto.
+bytes are copied once (protobuf would copy them into and out of messages).
+Each piece is kept only where ``bench/bench_wire.py`` shows it beats protobuf
+(figures in docs/BENCHMARKS.md); release keys are left to protobuf, whose
+packed encoding is faster. Field numbers come
+from protos/gear/v1/replay.proto; tests/client/test_wire.py round-trips every
+piece through protobuf's own parser.
 """
 
 from __future__ import annotations
 
 import functools
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +78,66 @@ def skip_field(buf: memoryview, pos: int, wire_type: int) -> int:
     raise ValueError(f"unsupported wire type {wire_type} in sample response")
 
 
+# ------------------------------------------------------------ insert requests ----
+# InsertStreamRequest pieces: the writer joins chunk heads, the chunks' raw rows
+# and encoded items into one message (concatenated fields of a message merge).
+
+_DOUBLE = struct.Struct("<d")
+
+
+def encode_chunk_head(key: int, dtype: bytes, shape: Sequence[int], nbytes: int, episode_id: int,
+                      episode_step: int) -> bytes:
+    """``InsertStreamRequest.chunks`` (field 1) holding one ChunkData, up to its raw data (``nbytes`` follow)."""
+    packed = b"".join([encode_varint(d) for d in shape])
+    tensor_head = b"".join((
+        b"\x0a", encode_varint(len(dtype)), dtype,            # Tensor.dtype = 1
+        b"\x12", encode_varint(len(packed)), packed,          # Tensor.shape = 2 (packed)
+        b"\x1a", encode_varint(nbytes),                       # Tensor.data = 3 (the raw bytes follow)
+    ))
+    chunk_head = b"".join((
+        b"\x08", encode_varint(key),                          # ChunkData.chunk_key = 1
+        b"\x18", encode_varint(episode_id),                   # ChunkData.episode_id = 3
+        b"\x20", encode_varint(episode_step),                 # ChunkData.episode_step = 4
+        b"\x12", encode_varint(len(tensor_head) + nbytes), tensor_head,  # ChunkData.data = 2
+    ))
+    return b"\x0a" + encode_varint(len(chunk_head) + nbytes) + chunk_head
+
+
+# One item column: its (chunk key, offset, length) slices and whether it is squeezed.
+ItemColumnSlices = tuple[Sequence[tuple[int, int, int]], bool]
+
+
+def encode_insert_item(key: int, table: bytes, priority: float, structure: bytes,
+                       columns: Sequence[ItemColumnSlices]) -> bytes:
+    """``InsertStreamRequest.items`` (field 2) holding one PrioritizedItem (``structure``: an encoded Structure)."""
+    parts = [b"\x08", encode_varint(key),                      # PrioritizedItem.key = 1
+             b"\x12", encode_varint(len(table)), table,        # .table = 2
+             b"\x19", _DOUBLE.pack(priority),                  # .priority = 3 (fixed64)
+             b"\x22", encode_varint(len(structure)), structure]  # .structure = 4
+    for slices, squeeze in columns:
+        body = []
+        for chunk_key, offset, length in slices:
+            s = b"".join((b"\x08", encode_varint(chunk_key), b"\x10", encode_varint(offset),
+                          b"\x18", encode_varint(length)))
+            body += (b"\x0a", encode_varint(len(s)), s)         # ItemColumn.slices = 1
+        if squeeze:
+            body.append(b"\x10\x01")                            # ItemColumn.squeeze = 2
+        encoded = b"".join(body)
+        parts += (b"\x2a", encode_varint(len(encoded)), encoded)  # .columns = 5
+    item = b"".join(parts)
+    return b"\x12" + encode_varint(len(item)) + item
+
+
+def encode_release_keys(keys: Sequence[int]) -> bytes:
+    """``InsertStreamRequest.release_chunk_keys`` (field 3); empty for no keys.
+
+    Encoded by protobuf: its packed varints beat a Python loop from a handful of keys on.
+    """
+    if not keys:
+        return b""
+    return pb.InsertStreamRequest(release_chunk_keys=keys).SerializeToString()
+
+
 # ------------------------------------------------------------ sample responses ----
 
 _TAG_BATCH = 0x0A      # SampleResponse.batch = 1
@@ -86,12 +151,13 @@ def encode_sample_response(infos: list[pb.SampleInfo], lengths: np.ndarray, stru
 
     ``columns``: per column (dtype, per-step shape, list of bytes-like parts whose
     concatenation is the items' steps). ``lengths``: int32 [items, columns].
-    Protobuf merges repeated occurrences of an embedded message field, so the
-    small fields are serialized by protobuf and the columns appended by hand.
+    The columns are framed by hand and come first; the small fields follow,
+    serialized by protobuf (fields of a message may come in any order), so the
+    decoder hands everything after the last column to protobuf in one piece.
     """
     head = pb.SampleBatch(info=infos, lengths=lengths.reshape(-1).tolist(), structure=structure,
                           squeeze=squeeze).SerializeToString()
-    pieces: list[Any] = [None, head]
+    pieces: list[Any] = [None]
     batch_len = len(head)
     totals = lengths.sum(axis=0) if lengths.size else np.zeros(len(columns), np.int64)
     for c, (dtype, shape, parts) in enumerate(columns):
@@ -103,6 +169,7 @@ def encode_sample_response(infos: list[pb.SampleInfo], lengths: np.ndarray, stru
         pieces.append(column_prefix)
         pieces.extend(parts)
         batch_len += len(column_prefix) + nbytes
+    pieces.append(head)
     pieces[0] = length_prefix(_TAG_BATCH, batch_len)
     return b"".join(pieces)
 
@@ -179,14 +246,18 @@ def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarr
 
 
 def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchView:
-    """Parse a serialized SampleResponse.
+    """Parse a serialized SampleResponse; columns framed by hand, the small fields by protobuf.
 
     Column arrays view ``raw`` (read-only, no copy), or with ``writable`` are one
     copy per column (numpy arrays users may modify in place, as Reverb's are).
+    The columns are read by hand up to the first other field; the rest of the
+    batch goes to protobuf in one piece (``encode_sample_response`` puts the
+    columns first; from another encoder, columns after that piece are decoded
+    by protobuf, one more copy).
     """
     buf = memoryview(raw)
-    small = bytearray()  # every SampleBatch field but the columns, re-parsed by protobuf
     columns: list[np.ndarray] = []
+    batch = pb.SampleBatch()
     pos = 0
     end = len(buf)
     while pos < end:
@@ -201,14 +272,39 @@ def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchVie
         while pos < batch_end:
             field_start = pos
             key, pos = read_varint(buf, pos)
-            if key == 0x12:  # SampleBatch.columns
-                length, pos = read_varint(buf, pos)
-                column = _parse_tensor(raw, buf, pos, pos + length)
-                columns.append(column.copy() if writable else column)
-                pos += length
-            else:
-                pos = skip_field(buf, pos, key & 7)
-                small += buf[field_start:pos]
+            if key != 0x12:  # not SampleBatch.columns: the rest goes to protobuf
+                batch.MergeFromString(buf[field_start:batch_end])
+                pos = batch_end
+                break
+            length, pos = read_varint(buf, pos)
+            if pos + length > batch_end:
+                raise ValueError("truncated sample column")
+            column = _parse_tensor(raw, buf, pos, pos + length)
+            columns.append(column.copy() if writable else column)
+            pos += length
         if pos != batch_end:
             raise ValueError("malformed sample batch")
-    return SampleBatchView(pb.SampleBatch.FromString(bytes(small)), columns)
+    columns += _tensor_arrays(batch.columns, writable)
+    del batch.columns[:]
+    return SampleBatchView(batch, columns)
+
+
+def _tensor_arrays(tensors: Sequence[pb.Tensor], writable: bool) -> list[np.ndarray]:
+    """Arrays of Tensor messages parsed by protobuf (viewing their bytes, or copies with ``writable``)."""
+    out = []
+    for c, tensor in enumerate(tensors):
+        dtype = np.dtype(tensor.dtype)
+        shape = tuple(tensor.shape)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count * dtype.itemsize != len(tensor.data):
+            raise ValueError(f"sample tensor {c} of shape {list(shape)} and dtype {tensor.dtype} holds "
+                             f"{len(tensor.data)} bytes")
+        column = np.frombuffer(tensor.data, dtype=dtype, count=count).reshape(shape)
+        out.append(column.copy() if writable else column)
+    return out
+
+
+def decode_sample_response_by_protobuf(raw: bytes, writable: bool = False) -> SampleBatchView:
+    """The same, through protobuf's parser alone (it copies each column's bytes): bench_wire's reference."""
+    batch = pb.SampleResponse.FromString(raw).batch
+    return SampleBatchView(batch, _tensor_arrays(batch.columns, writable))

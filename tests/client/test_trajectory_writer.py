@@ -463,30 +463,6 @@ def test_a_stream_is_cancelled_once_however_often_it_is_aborted(server, client):
     assert cancels == [1] and w._stream is None
 
 
-def test_hand_encoded_requests_parse_as_protobuf():
-    from gear_client import trajectory_writer as tw
-
-    data = np.arange(12, dtype=np.int16).reshape(3, 4)
-    view = memoryview(data).cast("B")
-    structure = pb.Structure(kind=pb.Structure.DICT, keys=["a"], children=[pb.Structure()])
-    raw = b"".join([
-        tw._chunk_head(300, b"<i2", data.shape, view.nbytes, 2**64 - 1, 70000), view,
-        tw._encode_item(2**63 + 5, "tåble".encode(), 0.25, structure.SerializeToString(),
-                        [([(300, 0, 2), (7, 1, 1)], False), ([(300, 2, 1)], True)]),
-        tw._encode_releases([1, 300, 2**40]),
-    ])
-    expected = pb.InsertStreamRequest(
-        chunks=[pb.ChunkData(chunk_key=300, episode_id=2**64 - 1, episode_step=70000,
-                             data=pb.Tensor(dtype="<i2", shape=[3, 4], data=data.tobytes()))],
-        items=[pb.PrioritizedItem(key=2**63 + 5, table="tåble", priority=0.25, structure=structure, columns=[
-            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=300, offset=0, length=2),
-                                  pb.ColumnSlice(chunk_key=7, offset=1, length=1)]),
-            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=300, offset=2, length=1)], squeeze=True)])],
-        release_chunk_keys=[1, 300, 2**40])
-    assert pb.InsertStreamRequest.FromString(raw) == expected
-    assert tw._encode_releases([]) == b""
-
-
 def test_clients_without_a_channel_use_the_stub(server, client):
     class StubOnly:
         def __init__(self, inner):
@@ -504,6 +480,7 @@ def test_clients_without_a_channel_use_the_stub(server, client):
 
 def test_batched_items_survive_buffer_compaction(server, client, monkeypatch):
     """Items batched while gRPC is busy reference rows a compaction moves: they are sent first."""
+    from gear_client import insert_stream
     from gear_client import trajectory_writer as tw
 
     def added_without_idle_send(self, key=None, nbytes=0):
@@ -511,10 +488,10 @@ def test_batched_items_survive_buffer_compaction(server, client, monkeypatch):
             with self._cond:
                 self.pending[key] = nbytes
                 self.in_flight_bytes += nbytes
-        if self.batch_bytes >= tw.BATCH_BYTES:
+        if self.batch_bytes >= insert_stream.BATCH_BYTES:
             self.submit()
 
-    monkeypatch.setattr(tw._InsertStream, "added", added_without_idle_send)
+    monkeypatch.setattr(insert_stream.InsertStream, "added", added_without_idle_send)
     monkeypatch.setattr(tw.TrajectoryWriter, "_send_if_idle", lambda self: None)
     w = TrajectoryWriter(client, 2)
     expected = []
@@ -626,7 +603,7 @@ def test_large_rows_of_any_memory_layout_are_stored_exactly(server, client, layo
 def test_opening_the_stream_keeps_large_buffers_in_the_heap(server, client, monkeypatch):
     # Each message is a fresh multi-MiB bytes object; the writer tunes glibc once so they reuse heap pages.
     calls = []
-    monkeypatch.setattr("gear_client.trajectory_writer.tune_allocator", lambda: calls.append(1) or True)
+    monkeypatch.setattr("gear_client.insert_stream.tune_allocator", lambda: calls.append(1) or True)
     with TrajectoryWriter(client, 1) as w:
         assert calls == []  # nothing before the stream opens
         w.append({"r": np.int64(1)})
@@ -634,3 +611,17 @@ def test_opening_the_stream_keeps_large_buffers_in_the_heap(server, client, monk
         w.create_item("t", 1.0, w.history["r"][-1:])
     assert calls == [1]  # once per stream
     assert len(server.servicer.items) == 2
+
+
+def test_history_slices_reaching_before_the_first_step_raise(server, client):
+    # Reverb pads the steps before the first with None references, which a TrajectoryColumn refuses.
+    w = TrajectoryWriter(client, 8)
+    w.append({"x": np.int64(1)})
+    w.append({"x": np.int64(2)})
+    with pytest.raises(ValueError, match="None data references"):
+        w.history["x"][-3:]
+    with pytest.raises(ValueError, match="None data references"):
+        w.history["x"][-5:-3]
+    assert len(w.history["x"][-2:]) == 2 and w.history["x"][-2:].numpy().tolist() == [1, 2]
+    assert w.history["x"][0:9].numpy().tolist() == [1, 2]  # a stop past the end is clipped (as a list slice)
+    w.close()

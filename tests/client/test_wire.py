@@ -1,11 +1,22 @@
-"""Hand-written wire-format pieces agree with protobuf's own encoding."""
+"""Hand-framed wire pieces (gear_contract/wire.py) round-trip through protobuf's own encoder and parser."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
-from gear_contract.wire import encode_varint, length_prefix, read_varint, skip_field
+from gear_contract.wire import (
+    decode_sample_response,
+    encode_chunk_head,
+    encode_insert_item,
+    encode_release_keys,
+    encode_sample_response,
+    encode_varint,
+    length_prefix,
+    read_varint,
+    skip_field,
+)
 
 VALUES = [1, 127, 128, 300, 16383, 16384, 2**21, 2**35 + 7, 2**63 - 1, 2**64 - 1]
 
@@ -42,3 +53,92 @@ def test_skip_field_passes_every_wire_type():
     assert skip_field(buf, 14, 5) == 18
     with pytest.raises(ValueError, match="wire type 3"):
         skip_field(buf, 0, 3)
+
+
+# ------------------------------------------------- every framed message vs protobuf's own parser ----
+
+def test_insert_request_pieces_parse_as_protobuf():
+    data = np.arange(12, dtype=np.int16).reshape(3, 4)
+    view = memoryview(data).cast("B")
+    structure = pb.Structure(kind=pb.Structure.DICT, keys=["a"], children=[pb.Structure()])
+    raw = b"".join([
+        encode_chunk_head(300, b"<i2", data.shape, view.nbytes, 2**64 - 1, 70000), view,
+        encode_insert_item(2**63 + 5, "tåble".encode(), 0.25, structure.SerializeToString(),
+                           [([(300, 0, 2), (7, 1, 1)], False), ([(300, 2, 1)], True)]),
+        encode_release_keys([1, 300, 2**40]),
+    ])
+    expected = pb.InsertStreamRequest(
+        chunks=[pb.ChunkData(chunk_key=300, episode_id=2**64 - 1, episode_step=70000,
+                             data=pb.Tensor(dtype="<i2", shape=[3, 4], data=data.tobytes()))],
+        items=[pb.PrioritizedItem(key=2**63 + 5, table="tåble", priority=0.25, structure=structure, columns=[
+            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=300, offset=0, length=2),
+                                  pb.ColumnSlice(chunk_key=7, offset=1, length=1)]),
+            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=300, offset=2, length=1)], squeeze=True)])],
+        release_chunk_keys=[1, 300, 2**40])
+    assert pb.InsertStreamRequest.FromString(raw) == expected
+    assert encode_release_keys([]) == b""
+
+
+@pytest.mark.parametrize("rows", [1, 7, 600])
+def test_chunk_heads_frame_any_size_like_protobuf(rows):
+    data = np.random.default_rng(rows).random((rows, 1024), dtype=np.float32)  # up to 2.3 MiB
+    view = memoryview(data.reshape(-1).view(np.uint8))
+    raw = encode_chunk_head(5, b"<f4", data.shape, view.nbytes, 9, 3) + bytes(view)
+    chunk = pb.ChunkData(chunk_key=5, episode_id=9, episode_step=3,
+                         data=pb.Tensor(dtype="<f4", shape=data.shape, data=data.tobytes()))
+    assert pb.InsertStreamRequest.FromString(raw) == pb.InsertStreamRequest(chunks=[chunk])
+    # the raw rows come last (framed around the column buffer), the rest as protobuf writes it
+    assert raw.endswith(data.tobytes())
+
+
+def _sample_parts(items: int, steps: int, obs: int = 16):
+    rng = np.random.default_rng(items * 1000 + steps)
+    obs_col = rng.random((items * steps, obs), dtype=np.float32)
+    act_col = np.arange(items, dtype=np.int64)  # squeezed: one step per item
+    infos = [pb.SampleInfo(key=2**40 + i, probability=0.5, table_size=items, priority=1.0 + i, times_sampled=i)
+             for i in range(items)]
+    lengths = np.tile(np.array([[1, steps]], np.int32), (items, 1))
+    structure = pb.Structure(kind=pb.Structure.DICT, keys=["act", "obs"], children=[pb.Structure(), pb.Structure()])
+    columns = [(act_col.dtype, (), [act_col[i:i + 1] for i in range(items)]),
+               (obs_col.dtype, (obs,), [obs_col[i * steps:(i + 1) * steps] for i in range(items)])]
+    expected = pb.SampleResponse(batch=pb.SampleBatch(
+        info=infos, lengths=lengths.reshape(-1).tolist(), structure=structure, squeeze=[True, False],
+        columns=[pb.Tensor(dtype="<i8", shape=[items], data=act_col.tobytes()),
+                 pb.Tensor(dtype="<f4", shape=[items * steps, obs], data=obs_col.tobytes())]))
+    return infos, lengths, structure, columns, expected, (act_col, obs_col)
+
+
+@pytest.mark.parametrize("items,steps,obs", [(1, 1, 1), (32, 4, 16), (256, 2, 512)])
+def test_sample_responses_round_trip_through_protobuf(items, steps, obs):
+    infos, lengths, structure, columns, expected, arrays = _sample_parts(items, steps, obs)
+    raw = encode_sample_response(infos, lengths, structure, [True, False], columns)
+    # hand-encoded -> protobuf's parser
+    assert pb.SampleResponse.FromString(raw) == expected
+    # protobuf-encoded (small fields first, the order protobuf writes) -> hand decoder, and the hand-encoded one
+    for message in (expected.SerializeToString(), raw):
+        for writable in (False, True):
+            view = decode_sample_response(message, writable=writable)
+            assert list(view.infos) == infos and view.num_items == items
+            assert view.squeeze == [True, False] and view.structure == structure
+            np.testing.assert_array_equal(view.lengths, lengths)
+            for got, want in zip(view.columns, arrays, strict=True):
+                np.testing.assert_array_equal(got, want)
+                assert got.flags.writeable == writable
+            np.testing.assert_array_equal(view.item_columns(items - 1)[1], arrays[1][(items - 1) * steps:])
+
+
+def test_hand_decoded_columns_view_the_message():
+    infos, lengths, structure, columns, _, arrays = _sample_parts(8, 2)
+    raw = encode_sample_response(infos, lengths, structure, [True, False], columns)
+    view = decode_sample_response(raw)
+    assert all(np.shares_memory(np.frombuffer(raw, np.uint8), c) for c in view.columns)  # no copy
+
+
+def test_malformed_sample_responses_are_refused():
+    infos, lengths, structure, columns, _, _ = _sample_parts(4, 2)
+    raw = encode_sample_response(infos, lengths, structure, [True, False], columns)
+    with pytest.raises(ValueError, match="truncated"):
+        decode_sample_response(raw[:-200])
+    bad = pb.SampleResponse(batch=pb.SampleBatch(columns=[pb.Tensor(dtype="<f4", shape=[3], data=b"\0" * 8)]))
+    with pytest.raises(ValueError, match="holds 8 bytes"):
+        decode_sample_response(bad.SerializeToString())
