@@ -3,7 +3,9 @@
 ``Client(server_address)`` talks to a gear daemon over gRPC. It connects
 lazily, is safe to share between threads (one channel, calls are independent)
 and pickles as its address (plus any explicit security settings), so a copy in
-another process opens its own channel.
+another process opens its own channel. A call waits for a daemon that is not
+(yet) reachable for at most ``connect_timeout`` seconds, then raises
+``errors.ConnectError`` naming the address and the cause (gear_client.connection).
 
 ``sample`` uses the learner data plane it negotiates (gear_client.data_planes):
 on the daemon's host the table's shared memory (shm), on another host with an
@@ -18,25 +20,25 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
 from gear_client import errors
+from gear_client.auth import ChannelSecurity
+from gear_client.connection import DaemonChannel, check_address, connect_timeout_option
 from gear_client.replay_sample import ReplaySample, SampleInfo
 from gear_client.table_info import TableInfo
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.allocator import tune_allocator
-from gear_contract.channel import CHANNEL_OPTIONS
 from gear_contract.wire import decode_sample_response
 
 __all__ = ["Client"]
 
-_SAMPLE_METHOD = "/gear.v1.ReplayService/Sample"
 # Items per Select when client.sample goes over a data plane (shm/rdma).
 _PLANE_ITEMS_PER_SELECT = 256
 
@@ -46,29 +48,33 @@ class Client:
 
     def __init__(self, server_address: str, client: Client | None = None, *, token: str | None = None,
                  root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None,
-                 data_planes: Sequence[str] | None = None):
-        """``data_planes``: the planes ``sample`` may negotiate besides inline (default ``("shm", "rdma")``,
-        or the comma-separated ``GEAR_DATA_PLANES``; ``()`` or ``"inline"`` keeps every sample on gRPC)."""
-        if not isinstance(server_address, str) or not server_address:
-            raise ValueError(f"server_address must be a non-empty string, got {server_address!r}")
-        self._server_address = server_address
+                 data_planes: Sequence[str] | None = None, connect_timeout: float | None = None):
+        """``server_address``: "host:port" (no port is an error: gRPC would dial 443).
+
+        ``data_planes``: the planes ``sample`` may negotiate besides inline (default ``("shm", "rdma")``,
+        or the comma-separated ``GEAR_DATA_PLANES``; ``()`` or ``"inline"`` keeps every sample on gRPC).
+        ``connect_timeout``: seconds a call waits for an unreachable daemon before ConnectError (default
+        ``GEAR_CONNECT_TIMEOUT`` or 30; -1 waits forever)."""
+        self._server_address = check_address(server_address)
         self._data_planes = _data_planes_option(data_planes)
+        self._connect_timeout = connect_timeout_option(connect_timeout)
         self._security_args = {k: v for k, v in (("token", token), ("root_certificates", root_certificates),
                                                  ("certificate_chain", certificate_chain),
                                                  ("private_key", private_key)) if v is not None}
         self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub_instance: pb_grpc.ReplayServiceStub | None = None
-        self._sample_call = None
+        self._daemon: DaemonChannel | None = None
+        self._channel: grpc.Channel | None = None  # the daemon channel's gRPC channel (writers stream on it)
         self._table_infos: dict[str, pb.TableInfo] = {}
         self._planes: dict[str, Any] = {}  # table -> PlaneSampler (shm/rdma) or None (inline)
         if client is not None and client._server_address == server_address:
             # Reverb's "pre-existing client": share its channel.
-            self._channel, self._stub_instance, self._sample_call = client._connect()
+            self._daemon = client._daemon_channel()
+            self._channel = self._daemon.channel
 
     # ------------------------------------------------------------------ plumbing
     def __reduce__(self):
-        return _rebuild_client, (self._server_address, self._security_args, self._data_planes)
+        return _rebuild_client, (self._server_address, self._security_args, self._data_planes,
+                                 self._connect_timeout if self._connect_timeout is not None else -1)
 
     def __repr__(self) -> str:
         return f"Client, server_address={self._server_address}"
@@ -77,40 +83,64 @@ class Client:
     def server_address(self) -> str:
         return self._server_address
 
-    def _connect(self):
+    def _daemon_channel(self) -> DaemonChannel:
+        """This client's channel to the daemon (made on first use; no wait)."""
         with self._lock:
-            if self._channel is None:
-                self._channel = self._new_channel()
-                self._stub_instance = pb_grpc.ReplayServiceStub(self._channel)
-                # Sample responses are parsed by hand (decode_sample_response): no deserializer.
-                self._sample_call = self._channel.unary_stream(
-                    _SAMPLE_METHOD, request_serializer=pb.SampleRequest.SerializeToString,
-                    response_deserializer=None)
-            return self._channel, self._stub_instance, self._sample_call
+            if self._daemon is None:
+                security = ChannelSecurity.build(**self._security_args)
+                self._daemon = DaemonChannel(self._server_address, security, self._connect_timeout)
+                self._channel = self._daemon.channel
+            return self._daemon
 
-    def _new_channel(self) -> grpc.Channel:
-        try:
-            from gear_client.auth import ChannelSecurity
-        except ImportError:
-            return grpc.insecure_channel(self._server_address, options=CHANNEL_OPTIONS)
-        security = ChannelSecurity.build(**self._security_args)
-        return security.channel(self._server_address, options=CHANNEL_OPTIONS)
+    def _connect(self) -> tuple[grpc.Channel, pb_grpc.ReplayServiceStub, Any]:
+        """(channel, stub, raw Sample multicallable), without waiting for the daemon."""
+        daemon = self._daemon_channel()
+        return daemon.channel, daemon.stub, daemon.sample_call
+
+    def _wait_ready(self, operation: str, timeout: float | None = None) -> DaemonChannel:
+        """The daemon channel once the daemon can take calls; ConnectError after the connect timeout."""
+        daemon = self._daemon_channel()
+        daemon.wait_ready(operation, timeout)
+        return daemon
 
     @property
     def _stub(self) -> pb_grpc.ReplayServiceStub:
-        """The ReplayService stub on this client's channel (writers stream inserts through it)."""
-        return self._connect()[1]
+        """The ReplayService stub once the daemon is reachable (writers stream inserts through it)."""
+        return self._wait_ready("writer").stub
+
+    def _error(self, error: grpc.RpcError, operation: str) -> Exception:
+        """The exception for a failed call: ConnectError when the daemon is away or refused the token."""
+        daemon = self._daemon
+        connect_error = daemon.error_for(error, operation) if daemon is not None else None
+        return connect_error or errors.from_rpc_error(error, operation)
+
+    def _unary(self, operation: str, method: Callable[[pb_grpc.ReplayServiceStub], Any], request: Any,
+               timeout: float | None = None) -> Any:
+        """A unary call; when the daemon is unreachable, sent again once it is (within the connect timeout)."""
+        daemon = self._daemon_channel()
+        for attempt in range(2):
+            try:
+                return method(daemon.stub)(request, timeout=timeout, wait_for_ready=False)
+            except grpc.RpcError as e:
+                if attempt == 0 and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    daemon.wait_ready(operation, timeout)
+                    continue
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                    raise errors.DeadlineExceededError(
+                        f"{operation} call did not complete within provided timeout of {timeout}s") from e
+                raise self._error(e, operation) from e
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Close the channel (a later call reconnects)."""
         with self._lock:
-            channel, self._channel, self._stub_instance, self._sample_call = self._channel, None, None, None
+            daemon, self._daemon, self._channel = self._daemon, None, None
             planes, self._planes = self._planes, {}
         for plane in planes.values():
             if plane is not None:
                 plane.close()
-        if channel is not None:
-            channel.close()
+        if daemon is not None:
+            daemon.close()
 
     def _table_info(self, name: str, refresh: bool = False) -> pb.TableInfo:
         """The daemon's TableInfo of ``name`` (cached); ValueError naming the table if there is none."""
@@ -126,13 +156,7 @@ class Client:
         return info
 
     def _fetch_server_info(self, timeout: float | None) -> pb.ServerInfoResponse:
-        try:
-            response = self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout, wait_for_ready=True)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
-                raise errors.DeadlineExceededError(
-                    f"ServerInfo call did not complete within provided timeout of {timeout}s") from e
-            raise errors.from_rpc_error(e, "server_info") from e
+        response = self._unary("server_info", lambda stub: stub.ServerInfo, pb.ServerInfoRequest(), timeout)
         with self._lock:
             self._table_infos = {t.name: t for t in response.table_info}
         return response
@@ -168,11 +192,17 @@ class Client:
                  for table, priority in priorities.items()]
         request = pb.InsertStreamRequest(chunks=chunks, items=items, release_chunk_keys=[c.chunk_key for c in chunks])
         wanted = {item.key for item in items}
-        try:
-            for response in self._stub.InsertStream(iter([request]), wait_for_ready=True):
-                wanted.difference_update(response.keys)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "insert") from e
+        daemon = self._daemon_channel()
+        for attempt in range(2):  # sent again once the daemon is reachable (keys are idempotent)
+            try:
+                for response in daemon.stub.InsertStream(iter([request]), wait_for_ready=False):
+                    wanted.difference_update(response.keys)
+                break
+            except grpc.RpcError as e:
+                if attempt == 0 and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    daemon.wait_ready("insert")
+                    continue
+                raise self._error(e, "insert") from e
         if wanted:
             raise errors.ServiceError(f"insert: the daemon did not acknowledge item(s) {sorted(wanted)}")
 
@@ -181,6 +211,7 @@ class Client:
         """A legacy ``Writer`` whose items span at most ``max_sequence_length`` steps (it validates its arguments)."""
         from gear_client.writer import Writer
 
+        self._wait_ready("writer")
         return Writer(self, max_sequence_length=max_sequence_length, delta_encoded=delta_encoded,
                       chunk_length=chunk_length, max_in_flight_items=max_in_flight_items)
 
@@ -192,6 +223,7 @@ class Client:
         del get_signature_timeout_ms  # signatures are fetched on demand and cached
         from gear_client.trajectory_writer import TrajectoryWriter
 
+        self._wait_ready("trajectory_writer")
         return TrajectoryWriter(self, num_keep_alive_refs, validate_items=validate_items)
 
     def structured_writer(self, configs: Sequence[Any]):
@@ -200,6 +232,7 @@ class Client:
             raise ValueError("At least one config must be provided.")
         from gear_client.structured import StructuredWriter
 
+        self._wait_ready("structured_writer")
         return StructuredWriter(self, configs)
 
     # ------------------------------------------------------------------ samples
@@ -237,19 +270,26 @@ class Client:
                 for i, info in enumerate(batch.item_infos()):
                     yield emit(info, batch.item_columns(i))
             return
-        sample_call = self._connect()[2]
+        daemon = self._daemon_channel()
         tune_allocator()
         request = pb.SampleRequest(table=table, num_samples=int(num_samples))
-        call = sample_call(request, wait_for_ready=True)
-        try:
-            for raw in call:
-                batch = decode_sample_response(raw, writable=True)
-                for i in range(batch.num_items):
-                    yield emit(_sample_info(batch.infos[i]), batch.item_columns(i))
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "sample") from e
-        finally:
-            call.cancel()
+        for attempt in range(2):  # sent again once the daemon is reachable, if nothing arrived yet
+            call = daemon.sample_call(request, wait_for_ready=False)
+            received = False
+            try:
+                for raw in call:
+                    received = True
+                    batch = decode_sample_response(raw, writable=True)
+                    for i in range(batch.num_items):
+                        yield emit(_sample_info(batch.infos[i]), batch.item_columns(i))
+                return
+            except grpc.RpcError as e:
+                if attempt == 0 and not received and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    daemon.wait_ready("sample")
+                    continue
+                raise self._error(e, "sample") from e
+            finally:
+                call.cancel()
 
     def _data_plane(self, table: str):
         """A PlaneSampler when this learner reaches the table over shm or rdma; None: sample inline.
@@ -266,6 +306,9 @@ class Client:
         sampler = PlaneSampler(self, table, planes=self._data_planes)
         try:
             sampler.open()
+        except errors.ConnectError:  # the daemon is away or refuses the token: inline would fail the same way
+            sampler.close()
+            raise
         except errors.ReverbError:  # transient (unavailable, deadline...): try again next time
             sampler.close()
             return None
@@ -292,17 +335,11 @@ class Client:
         request = pb.MutatePrioritiesRequest(
             table=table, updates=[pb.KeyWithPriority(key=int(k), priority=float(p)) for k, p in (updates or {}).items()],
             delete_keys=[int(k) for k in (deletes or [])])
-        try:
-            self._stub.MutatePriorities(request, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "mutate_priorities") from e
+        self._unary("mutate_priorities", lambda stub: stub.MutatePriorities, request)
 
     def reset(self, table: str) -> None:
         """Empty the table and reset its rate limiter."""
-        try:
-            self._stub.Reset(pb.ResetRequest(table=table), wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "reset") from e
+        self._unary("reset", lambda stub: stub.Reset, pb.ResetRequest(table=table))
 
     def server_info(self, timeout: float | None = None) -> dict[str, Any]:
         """Table name -> TableInfo; DeadlineExceededError when the daemon does not answer within ``timeout`` s."""
@@ -312,25 +349,18 @@ class Client:
 
     def checkpoint(self) -> str:
         """Have the daemon write a checkpoint; returns its path."""
-        try:
-            return self._stub.Checkpoint(pb.CheckpointRequest(), wait_for_ready=True).path
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "checkpoint") from e
+        return self._unary("checkpoint", lambda stub: stub.Checkpoint, pb.CheckpointRequest()).path
 
     def _check_rate_limiter(self, table: str, num_samples: int = 0, num_inserts: int = 0
                             ) -> pb.RateLimiterCheckResponse:
         """Whether the table would let ``num_samples`` samples / ``num_inserts`` inserts through now."""
-        try:
-            return self._stub.CheckRateLimiter(
-                pb.RateLimiterCheckRequest(table=table, num_samples=num_samples, num_inserts=num_inserts),
-                wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "check_rate_limiter") from e
+        return self._unary("check_rate_limiter", lambda stub: stub.CheckRateLimiter,
+                           pb.RateLimiterCheckRequest(table=table, num_samples=num_samples, num_inserts=num_inserts))
 
 
-def _rebuild_client(address: str, security_args: dict[str, Any], data_planes: tuple[str, ...] = ("shm", "rdma")
-                    ) -> Client:
-    return Client(address, data_planes=data_planes, **security_args)
+def _rebuild_client(address: str, security_args: dict[str, Any], data_planes: tuple[str, ...] = ("shm", "rdma"),
+                    connect_timeout: float | None = None) -> Client:
+    return Client(address, data_planes=data_planes, connect_timeout=connect_timeout, **security_args)
 
 
 _KNOWN_PLANES = ("shm", "rdma")

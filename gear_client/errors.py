@@ -14,6 +14,7 @@ __all__ = [
     "ReverbError",
     "DeadlineExceededError",
     "ServiceError",
+    "ConnectError",
     "from_rpc_error",
     "INSERT_OPERATIONS",
 ]
@@ -37,6 +38,21 @@ class ServiceError(ReverbError, RuntimeError):
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+
+
+class ConnectError(ServiceError):
+    """The daemon at ``address`` could not be reached or refused the credentials.
+
+    ``cause`` says why: "refused" (nothing listens), "unresolvable" (unknown
+    host), "tls" (handshake failed, or TLS on one side only), "token" (missing
+    or wrong token), "unreachable" (no answer), "unavailable" (anything else).
+    A ``RuntimeError`` (and a ReverbError), as Reverb's unavailable errors.
+    """
+
+    def __init__(self, message: str, *, address: str, cause: str):
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE if cause != "token" else grpc.StatusCode.UNAUTHENTICATED)
+        self.address = address
+        self.cause = cause
 
 
 # Operations for which an unknown table is a bad argument (ValueError), as in

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from gear_client import errors
+from gear_client.connection import DaemonChannel
 from gear_client.data_planes.batch import Pending, SampledBatch
 from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
 from gear_client.data_planes.range_planning import WindowSpec
@@ -105,21 +106,23 @@ class SamplerClosedError(RuntimeError):
     """The sampler was closed (possibly while a sample waited)."""
 
 
-def connect(target: Any) -> tuple[Any, Any, Any]:
-    """(stub, raw sample call or None, owned channel or None) for a Client, a channel, a stub or an address."""
+def connect(target: Any) -> tuple[Any, Any, Any, DaemonChannel | None]:
+    """(stub, raw sample call or None, owned channel or None, daemon channel or None) for a Client, a
+    channel, a stub or an address. With a daemon channel, calls wait for the daemon at most its connect
+    timeout (gear_client.connection); otherwise they wait for it forever."""
     if hasattr(target, "_connect"):  # gear_client.Client
         _, stub, sample_call = target._connect()
-        return stub, sample_call, None
+        return stub, sample_call, None, target._daemon_channel()
     if isinstance(target, str):
         from gear_client.auth import ChannelSecurity
-        from gear_contract.channel import CHANNEL_OPTIONS
+        from gear_client.connection import connect_timeout_option
 
-        # An address alone: token and TLS come from the GEAR_* environment (gear_client/auth.py).
-        channel = ChannelSecurity.build().channel(target, options=CHANNEL_OPTIONS)
-        return pb_grpc.ReplayServiceStub(channel), _raw_sample_call(channel), channel
+        # An address alone: token, TLS and connect timeout come from the GEAR_* environment.
+        daemon = DaemonChannel(target, ChannelSecurity.build(), connect_timeout_option(None))
+        return daemon.stub, daemon.sample_call, daemon, daemon
     if isinstance(target, grpc.Channel):
-        return pb_grpc.ReplayServiceStub(target), _raw_sample_call(target), None
-    return target, None, None  # a stub
+        return pb_grpc.ReplayServiceStub(target), _raw_sample_call(target), None, None
+    return target, None, None, None  # a stub
 
 
 def _raw_sample_call(channel: grpc.Channel):
@@ -204,7 +207,7 @@ class PlaneSampler:
         self.max_stale_retries = max_stale_retries
         # () -> a connected-to-be RDMA transport or None; default: the verbs device found by probing
         self._rdma_connection_factory = rdma_connection or self._verbs_connection
-        self._stub, self._sample_call, self._channel = connect(target)
+        self._stub, self._sample_call, self._channel, self._daemon = connect(target)
         self._excluded: set[str] = set()
         self._lock = threading.RLock()
         self._reader: ReadingPlane | None = None  # shm or rdma, with self._session
@@ -237,9 +240,13 @@ class PlaneSampler:
     def table_info(self) -> pb.TableInfo:
         """The table's configuration and counters (ServerInfo); KeyError naming the table if the daemon has none."""
         try:
-            response = self._stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata, wait_for_ready=True)
+            if self._daemon is not None:
+                self._daemon.wait_ready("server_info")
+            response = self._stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata,
+                                             wait_for_ready=self._daemon is None)
         except grpc.RpcError as exc:
-            raise errors.from_rpc_error(exc, "server_info") from exc
+            connect_error = self._daemon.error_for(exc, "server_info") if self._daemon is not None else None
+            raise (connect_error or errors.from_rpc_error(exc, "server_info")) from exc
         for info in response.table_info:
             if info.name == self.table:
                 return info
@@ -277,12 +284,17 @@ class PlaneSampler:
             conn = self._rdma_connection(allowed)
             offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None)
             try:
+                if self._daemon is not None:
+                    self._daemon.wait_ready("sample")
                 response = self._stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=self.table, offer=offer),
-                                                    metadata=self.metadata, wait_for_ready=True)
-            except grpc.RpcError as exc:
+                                                    metadata=self.metadata, wait_for_ready=self._daemon is None)
+            except (grpc.RpcError, errors.ReverbError) as exc:
                 if conn is not None:
                     conn.close()
-                raise errors.from_rpc_error(exc, "sample") from exc
+                if not isinstance(exc, grpc.RpcError):
+                    raise
+                connect_error = self._daemon.error_for(exc, "sample") if self._daemon is not None else None
+                raise (connect_error or errors.from_rpc_error(exc, "sample")) from exc
             if response.kind != negotiation.RDMA and conn is not None:
                 conn.close()
                 conn = None
