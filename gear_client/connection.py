@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_ENV = "GEAR_CONNECT_TIMEOUT"
 # While waiting: the first log line after this long, then one every LOG_INTERVAL_S.
-FIRST_LOG_S = 1.0
+FIRST_LOG_S = 0.5
 LOG_INTERVAL_S = 3.0
 _POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
