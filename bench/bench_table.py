@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_table.py [--quick]
 
 Figures and the ceiling each works toward:
+* memory of a max_size=1e6 table of 15 KB items: first insert time, shared memory held and
+  mapped, and insert latency while it fills (goal: memory follows the items, as in Reverb);
 * insert GB/s of 256 KiB items (ceiling: one memcpy of the same bytes, measured here);
 * sample (select + lease + release) latency for B = 32 / 256 at N = 2048 and 1M items,
   uniform and prioritized (reference: full cumsum + searchsorted over N weights,
@@ -75,19 +77,59 @@ def bench_insert(store: SegmentStore, n_items: int, item_bytes: int) -> None:
     steps = 64
     data = np.random.default_rng(1).random(item_bytes // 4, dtype=np.float32).reshape(steps, -1)
     items = [ItemToInsert(k, 1.0, LEAF, [data], [False]) for k in range(n_items)]
-    table.insert(items[0])  # fixes the layout and creates the segment
-    # touch every slot once so page faults of a fresh segment are not what we measure
-    for it in items[1: table.capacity + 1]:
+    # fill past max_size + spare once: the segment reaches its full size and every slot's
+    # memory is allocated, so growth and first-touch page faults are not what we measure
+    warm = table.max_size + table.max_size // 4
+    for it in items[:warm]:
         table.insert(it)
     t0 = time.perf_counter()
-    for it in items[table.capacity + 1:]:
+    for it in items[warm:]:
         table.insert(it)
     dt = time.perf_counter() - t0
-    done = n_items - table.capacity - 1
+    done = n_items - warm
     gbps = done * item_bytes / dt / 1e9
     ceiling = scattered_copy_gbps(item_bytes, table.capacity, done)
     print(f"insert  {item_bytes // 1024} KiB items: {gbps:6.2f} GB/s  ({dt / done * 1e6:7.1f} us/item, "
           f"{done} items)   ceiling: the same copies into scattered slots {ceiling:6.2f} GB/s")
+    table.close()
+
+
+def bench_memory(store: SegmentStore, max_size: int, item_bytes: int, fill: int) -> None:
+    """Memory as a large table fills: first insert, bytes held, insert latency while it grows.
+
+    Goal (issue 12.5): the first insert is fast and commits about one reservation step, and
+    the table holds about what its items need (Reverb allocates per item); no insert stalls
+    for long while the segment grows.
+    """
+    cfg = pb.TableConfig(name="memory", sampler=selector("uniform"), remover=pb.SelectorOptions(fifo=True),
+                         max_size=max_size, rate_limiter=UNLIMITED)
+    data = np.ones((1, item_bytes // 4), np.float32)
+    t0 = time.perf_counter()
+    table = Table(cfg, store, seed=0)
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    table.insert(ItemToInsert(0, 1.0, LEAF, [data], [False]))
+    first = time.perf_counter() - t0
+    layout = table.layout()
+    held = os.stat(layout.segment).st_blocks * 512
+    up_front = max_size * layout.columns[0].slot_stride  # what a table sized for max_size at once holds
+    print(f"memory  max_size={max_size:.0e} {item_bytes / 1e3:.0f} KB items: table {built * 1e3:6.1f} ms, "
+          f"first insert {first * 1e3:6.1f} ms, shm held {held / 2**20:6.1f} MiB, mapped "
+          f"{layout.segment_size / 2**20:6.1f} MiB   (max_size reserved up front: {up_front / 1e9:5.1f} GB)")
+    lat = np.empty(fill - 1)
+    t_fill = time.perf_counter()
+    for k in range(1, fill):
+        t0 = time.perf_counter()
+        table.insert(ItemToInsert(k, 1.0, LEAF, [data], [False]))
+        lat[k - 1] = time.perf_counter() - t0
+    t_fill = time.perf_counter() - t_fill
+    layout = table.layout()
+    held = os.stat(layout.segment).st_blocks * 512
+    used = fill * layout.columns[0].slot_stride
+    print(f"memory  after {fill} items ({used / 2**20:6.1f} MiB of slots): shm held {held / 2**20:6.1f} MiB, "
+          f"mapped {layout.segment_size / 2**20:6.1f} MiB, layout v{layout.version}; insert median "
+          f"{np.median(lat) * 1e6:6.1f} us, p99.9 {np.percentile(lat, 99.9) * 1e3:6.2f} ms, max "
+          f"{lat.max() * 1e3:6.2f} ms ({fill * item_bytes / t_fill / 1e9:5.2f} GB/s)")
     table.close()
 
 
@@ -157,6 +199,7 @@ def main() -> None:
     store = SegmentStore(args.shm_dir, f"bench{uuid.uuid4().hex[:8]}")
     print(f"gear table benchmark (pid {os.getpid()}, numpy {np.__version__}, {os.cpu_count()} cpus)")
     try:
+        bench_memory(store, 1_000_000, 15_000, fill=5_000 if args.quick else 40_000)
         bench_insert(store, n_items=1024 if args.quick else 4096, item_bytes=256 * 1024)
         bench_read(store, 2048, 256 * 1024, repeats=max(5, repeats // 4))
         bench_sample(store, 2048, repeats)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class GearServerError(Exception):
     """Base class of the daemon's own errors."""
@@ -28,3 +30,21 @@ class TableClosedError(GearServerError):
 
 class CallCancelled(GearServerError):
     """The caller gave up (its RPC was cancelled) while the call waited on the rate limiter (gRPC CANCELLED)."""
+
+
+class ShmExhausted(GearServerError, OSError):
+    """A table's shared memory cannot grow: its shm directory is full (gRPC RESOURCE_EXHAUSTED).
+
+    An OSError with errno ENOSPC, so every path that maps ENOSPC to RESOURCE_EXHAUSTED maps it.
+    """
+
+    def __init__(self, table: str, nbytes: int, shm_dir: str, reason: str):
+        super().__init__(errno.ENOSPC, reason)
+        self.table, self.nbytes, self.shm_dir, self.reason = table, int(nbytes), shm_dir, reason
+
+    def __str__(self) -> str:
+        return (f"table '{self.table}' needs {self.nbytes} more bytes of shared memory in {self.shm_dir} "
+                f"({self.reason}): give {self.shm_dir} more room (e.g. `mount -o remount,size=<bytes> "
+                f"{self.shm_dir}`, `docker run --shm-size=<bytes>`, a larger emptyDir medium: Memory in "
+                f"Kubernetes), point shm_dir at a larger tmpfs, or lower the table's max_size "
+                f"(docs/OPERATIONS.md, sizing /dev/shm)")

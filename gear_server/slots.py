@@ -156,6 +156,11 @@ class SlotBook:
         slots = np.flatnonzero(m.valid)
         return slots[np.argsort(m.insert_seq[slots], kind="stable")]
 
+    def rows_in_use(self) -> int:
+        """One past the highest slot whose bytes matter (an item, or a lease on a deleted one)."""
+        used = np.flatnonzero(self.meta.valid | (self.meta.leases > 0))
+        return int(used[-1]) + 1 if len(used) else 0
+
     def free_stack(self) -> list[int]:
         """Every slot a new item may take, bottom of the stack first (leased deleted slots below the rest)."""
         return sorted(self.zombies) + self.free

@@ -40,7 +40,7 @@ import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
-from gear_server.column_store import ColumnStore, gather, slot_views, write_item
+from gear_server.column_store import MIN_INITIAL_SLOTS, ColumnStore, gather, slot_views, write_item
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
 from gear_server.items import (  # noqa: F401 (ItemToInsert, count_leaves, leaf_paths: re-exported)
     ColumnSpec,
@@ -108,7 +108,7 @@ class Table:
         self._rng = np.random.default_rng(seed)
 
         self._signature = Signature(config.signature, self.name) if config.HasField("signature") else None
-        capacity = self.max_size + self._spare
+        capacity = min(self.max_size + self._spare, MIN_INITIAL_SLOTS)  # grows with the items (see _learn_layout)
         self._sampler = make_selector(config.sampler, capacity)
         self._remover = make_selector(config.remover, capacity)
         self._slots = SlotBook(capacity, len(self._signature.leaves) if self._signature else 0)
@@ -259,9 +259,10 @@ class Table:
                         self._regrow(self.capacity, grown)
                         continue
                     if not self._slots.free:
-                        self._regrow(self.capacity + max(self._spare, 16), None)
+                        self._regrow(self._next_capacity(), None)
                         continue
                     break
+                self._columns.reserve(self._slots.free[-1])  # its memory, before anyone writes there
                 slot = self._slots.take()
                 self._copies_in_flight += 1
                 views = self._columns.views
@@ -541,24 +542,36 @@ class Table:
                     lengths.append(max(int(self.config.initial_max_length), prep.lengths[c], 1))
             structure = pb.Structure()
             structure.CopyFrom(sig.structure if sig is not None else prep.structure)
-            self._columns.learn(specs, lengths, structure, self.capacity)
+            capacity = self._columns.initial_capacity(specs, lengths, at_least=self.capacity,
+                                                      at_most=self.max_size + self._spare)
+            self._columns.learn(specs, lengths, structure, capacity)
             self._slots.set_num_columns(len(specs))
+            self._grow_slots(capacity)
         finally:
             self._end_exclusive()
+
+    def _next_capacity(self) -> int:
+        """Slots after a growth: doubling up to max_size + spare, then spare more (leases pin deleted slots)."""
+        full = self.max_size + self._spare
+        if self.capacity < full:
+            return min(full, 2 * self.capacity)
+        return self.capacity + max(self._spare, 16)
 
     def _regrow(self, capacity: int, lengths: list[int] | None) -> None:
         """Move to a new segment with more slots and/or longer slots, items kept (lock held)."""
         self._begin_exclusive()
         try:
-            if not self._columns.regrow(capacity, lengths):
+            if not self._columns.regrow(capacity, lengths, self._slots.rows_in_use()):
                 return
-            capacity = self._columns.layout.capacity
-            if capacity > self.capacity:
-                self._slots.grow(capacity)
-                self._sampler.resize(capacity)
-                self._remover.resize(capacity)
+            self._grow_slots(self._columns.layout.capacity)
         finally:
             self._end_exclusive()
+
+    def _grow_slots(self, capacity: int) -> None:
+        if capacity > self.capacity:
+            self._slots.grow(capacity)
+            self._sampler.resize(capacity)
+            self._remover.resize(capacity)
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self) -> TableSnapshot:

@@ -120,6 +120,8 @@ class RestorePlan:
         if len(np.unique(slots)) != n:
             raise ValueError(f"table '{self.table}': snapshot has duplicate slots")
         if self.specs:
+            if n:
+                columns.reserve(int(slots.max()))
             scatter(columns.views, self.specs, slots, lengths, [a[f"column/{c}"] for c in range(len(self.specs))])
         m = book.meta
         m.key[slots] = a["keys"]

@@ -57,7 +57,7 @@ def test_close_unlinks_every_segment(store):
     assert store.paths() == []
 
 
-def test_cleanup_stale_removes_dead_pid_keeps_live_and_others(store):
+def test_cleanup_stale_removes_dead_pids_of_any_instance_keeps_live_ones(store):
     # a pid that is certainly dead: a child that has exited and been reaped
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -67,19 +67,74 @@ def test_cleanup_stale_removes_dead_pid_keeps_live_and_others(store):
         shm = store.shm_dir
         dead_path = os.path.join(shm, f"gear.{store.instance}.{child.pid}.tbl-0.v0")
         live_path = os.path.join(shm, f"gear.{store.instance}.{live.pid}.tbl-0.v0")
-        other_path = os.path.join(shm, f"gear.{store.instance}x.{child.pid}.tbl-0.v0")  # another instance
-        for p in (dead_path, live_path, other_path):
+        other_path = os.path.join(shm, f"gear.{store.instance}x.{child.pid}.tbl-0.v0")  # another instance, dead
+        not_ours = os.path.join(shm, f"gearx.{store.instance}.{child.pid}.tbl-0.v0")  # not a segment's name
+        for p in (dead_path, live_path, other_path, not_ours):
             fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.close(fd)
         own = store.create("mine", 0, 4096)
         removed = store.cleanup_stale()
-        assert removed == [dead_path]
-        assert not os.path.exists(dead_path)
-        assert os.path.exists(live_path) and os.path.exists(other_path) and os.path.exists(own.path)
+        assert dead_path in removed and other_path in removed
+        assert not os.path.exists(dead_path) and not os.path.exists(other_path)
+        assert os.path.exists(live_path) and os.path.exists(not_ours) and os.path.exists(own.path)
     finally:
         live.kill()
         live.wait()
-        for p in (live_path, other_path):
+        for p in (live_path, other_path, not_ours):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+_DAEMON_CHILD = """
+import os, sys, time
+from gear_server.storage import SegmentStore
+store = SegmentStore(sys.argv[1], sys.argv[2])
+segment = store.create("replay", 0, 1 << 20)
+segment.reserve(0, 1 << 20)
+print(segment.path, flush=True)
+time.sleep(60)
+"""
+
+
+def _segment_owner(instance: str) -> tuple[subprocess.Popen, str]:
+    child = subprocess.Popen([sys.executable, "-c", _DAEMON_CHILD, "/dev/shm", instance], stdout=subprocess.PIPE,
+                             text=True)
+    return child, child.stdout.readline().strip()
+
+
+def test_a_sigkilled_daemons_segments_are_removed_by_a_daemon_of_another_instance(store):
+    child, path = _segment_owner(f"{store.instance}killed")
+    try:
+        assert os.path.exists(path)
+        assert path not in store.cleanup_stale()  # alive: kept
+        child.kill()
+        child.wait()
+        assert path in store.cleanup_stale()
+        assert not os.path.exists(path)
+    finally:
+        child.kill()
+        child.wait()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_segment_locked_by_a_live_daemon_is_kept_even_if_its_pid_is_not_visible(store):
+    """A daemon in another pid namespace sharing /dev/shm: its pid means nothing here, its lock does."""
+    child, path = _segment_owner(f"{store.instance}ns")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    renamed = path.replace(f".{child.pid}.", f".{dead.pid}.")
+    try:
+        os.rename(path, renamed)  # as if its pid were one that is not alive in this namespace
+        assert renamed not in store.cleanup_stale()
+        assert os.path.exists(renamed)
+        child.kill()
+        child.wait()
+        assert renamed in store.cleanup_stale()
+    finally:
+        child.kill()
+        child.wait()
+        for p in (path, renamed):
             if os.path.exists(p):
                 os.unlink(p)
 
