@@ -84,7 +84,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ steps
     def build_tables(self) -> dict[str, Any]:
-        """Remove stale segments of dead daemons of this instance, then create every table."""
+        """Remove stale segments of dead daemons (any instance), then create every table."""
         from gear_server.table import Table
 
         self.store = SegmentStore(self.config.shm_dir or "/dev/shm", self.config.instance_name or "gear")
