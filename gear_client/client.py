@@ -46,6 +46,17 @@ _PLANE_ITEMS_PER_SELECT = 256
 class Client:
     """Client of a gear replay daemon (Reverb's ``reverb.Client``)."""
 
+    def __new__(cls, server_address: Any = None, *args: Any, **kwargs: Any):
+        """Several daemons (a list, "a,b", "shards:NAME:PORT") give a ShardedClient (docs/SHARDING.md)."""
+        if cls is Client:
+            from gear_client.sharding.membership import shard_addresses
+
+            if shard_addresses(server_address) is not None:
+                from gear_client.sharding.client import ShardedClient
+
+                return ShardedClient(server_address, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, server_address: str, client: Client | None = None, *, token: str | None = None,
                  root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None,
                  data_planes: Sequence[str] | None = None, connect_timeout: float | None = None):
@@ -250,15 +261,7 @@ class Client:
             structure = self._signature_structure(table)
 
         def emit(info, data):
-            if emit_timesteps:
-                if len({_length_of(col) for col in data}) != 1:
-                    raise ValueError("Can't split non timestep trajectory into timesteps.")
-                steps = []
-                for t in range(_length_of(data[0])):
-                    step = [np.asarray(col[t], col.dtype) for col in data]
-                    steps.append(ReplaySample(info=info, data=_unpack(structure, step)))
-                return steps
-            return ReplaySample(info=info, data=_unpack(structure, data))
+            return emit_sample(info, data, structure, emit_timesteps)
 
         plane = self._data_plane(table)
         if plane is not None:  # shm or rdma negotiated: bytes bypass the control plane
@@ -377,6 +380,20 @@ def _data_planes_option(value: Sequence[str] | str | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown data plane(s) {unknown}; known: shm, rdma, inline")
     return planes
+
+
+def emit_sample(info: SampleInfo, data: list, structure: pb.Structure | None, emit_timesteps: bool
+                ) -> list[ReplaySample] | ReplaySample:
+    """What ``sample`` yields for one item: its ReplaySample, or one per step (``emit_timesteps``)."""
+    if emit_timesteps:
+        if len({_length_of(col) for col in data}) != 1:
+            raise ValueError("Can't split non timestep trajectory into timesteps.")
+        steps = []
+        for t in range(_length_of(data[0])):
+            step = [np.asarray(col[t], col.dtype) for col in data]
+            steps.append(ReplaySample(info=info, data=_unpack(structure, step)))
+        return steps
+    return ReplaySample(info=info, data=_unpack(structure, data))
 
 
 def _length_of(column: np.ndarray) -> int:

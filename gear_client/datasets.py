@@ -39,12 +39,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from gear_client import errors
+from gear_client.client import Client
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.read_ahead import sampling_takes
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
 from gear_client.data_planes.shm import gpu_index, is_gpu_device
 from gear_client.replay_sample import ReplaySample
+from gear_client.sharding import is_sharded, sharded_sampler
 from gear_contract import negotiation
 
 __all__ = ["TrajectoryDataset", "TimestepDataset"]
@@ -147,8 +149,12 @@ class TrajectoryDataset(_iterable_dataset_base()):
         self._stop = threading.Event()
         self._done = False
         self._started_in = os.getpid()
-        self._sampler = PlaneSampler(server_address, table, planes=kw["planes"], device=self.device,
-                                     **(kw["sampler_options"] or {}))
+        if is_sharded(server_address):  # several daemons, one table (docs/SHARDING.md)
+            self._sampler = sharded_sampler(server_address, table, client_type=Client, planes=kw["planes"],
+                                            device=self.device, **(kw["sampler_options"] or {}))
+        else:
+            self._sampler = PlaneSampler(server_address, table, planes=kw["planes"], device=self.device,
+                                         **(kw["sampler_options"] or {}))
         self._thread = threading.Thread(target=self._produce, name=f"gear-dataset-{table}", daemon=True)
         self._thread.start()
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from gear_contract._proto import replay_pb2 as pb
 
 __all__ = ["Fifo", "Lifo", "MaxHeap", "MinHeap", "Prioritized", "Uniform", "SelectorType", "from_proto"]
@@ -98,3 +100,13 @@ def from_proto(options: pb.SelectorOptions) -> SelectorType:
     if kind == "heap":
         return MinHeap() if options.heap.min_heap else MaxHeap()
     raise ValueError(f"selector options name no distribution: {options}")
+
+
+def priority_weights(priorities: np.ndarray, exponent: float) -> np.ndarray:
+    """priority ** exponent, with priority 0 -> weight 0 for every exponent (a prioritized pick's weight).
+
+    The daemon's selector and a sharded client's global probabilities compute it alike.
+    """
+    p = np.asarray(priorities, np.float64)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return np.where(p > 0, np.power(p, exponent), 0.0)

@@ -177,6 +177,7 @@ class Table:
                 rate_limiter_info=self._rate_limiter.info(), current_size=len(self._slots),
                 num_episodes=len(self._slots.episode_refs), num_deleted_episodes=self._slots.num_deleted_episodes,
                 num_unique_samples=self._num_unique_samples, table_worker_time_ms=self._worker_time_s * 1e3,
+                selection_state=self._sampler.selection_state(),
             )
             if self._signature is not None:
                 info.signature.CopyFrom(self._signature.proto)

@@ -170,7 +170,7 @@ class RateLimiterInfo(_message.Message):
     def __init__(self, samples_per_insert: _Optional[float] = ..., min_diff: _Optional[float] = ..., max_diff: _Optional[float] = ..., min_size_to_sample: _Optional[int] = ..., insert_stats: _Optional[_Union[RateLimiterCallStats, _Mapping]] = ..., sample_stats: _Optional[_Union[RateLimiterCallStats, _Mapping]] = ..., num_deletes: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "sampler_options", "remover_options", "max_size", "max_times_sampled", "rate_limiter_info", "signature", "current_size", "num_episodes", "num_deleted_episodes", "num_unique_samples", "table_worker_time_ms")
+    __slots__ = ("name", "sampler_options", "remover_options", "max_size", "max_times_sampled", "rate_limiter_info", "signature", "current_size", "num_episodes", "num_deleted_episodes", "num_unique_samples", "table_worker_time_ms", "selection_state")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     REMOVER_OPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class TableInfo(_message.Message):
     NUM_DELETED_EPISODES_FIELD_NUMBER: _ClassVar[int]
     NUM_UNIQUE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TABLE_WORKER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     sampler_options: SelectorOptions
     remover_options: SelectorOptions
@@ -195,7 +196,18 @@ class TableInfo(_message.Message):
     num_deleted_episodes: int
     num_unique_samples: int
     table_worker_time_ms: float
-    def __init__(self, name: _Optional[str] = ..., sampler_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter_info: _Optional[_Union[RateLimiterInfo, _Mapping]] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., current_size: _Optional[int] = ..., num_episodes: _Optional[int] = ..., num_deleted_episodes: _Optional[int] = ..., num_unique_samples: _Optional[int] = ..., table_worker_time_ms: _Optional[float] = ...) -> None: ...
+    selection_state: ShardSelectionState
+    def __init__(self, name: _Optional[str] = ..., sampler_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter_info: _Optional[_Union[RateLimiterInfo, _Mapping]] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., current_size: _Optional[int] = ..., num_episodes: _Optional[int] = ..., num_deleted_episodes: _Optional[int] = ..., num_unique_samples: _Optional[int] = ..., table_worker_time_ms: _Optional[float] = ..., selection_state: _Optional[_Union[ShardSelectionState, _Mapping]] = ...) -> None: ...
+
+class ShardSelectionState(_message.Message):
+    __slots__ = ("priority_mass", "has_head", "head_priority")
+    PRIORITY_MASS_FIELD_NUMBER: _ClassVar[int]
+    HAS_HEAD_FIELD_NUMBER: _ClassVar[int]
+    HEAD_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    priority_mass: float
+    has_head: bool
+    head_priority: float
+    def __init__(self, priority_mass: _Optional[float] = ..., has_head: _Optional[bool] = ..., head_priority: _Optional[float] = ...) -> None: ...
 
 class ChunkData(_message.Message):
     __slots__ = ("chunk_key", "data", "episode_id", "episode_step")

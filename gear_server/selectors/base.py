@@ -53,6 +53,10 @@ class Selector:
         """``n`` independent picks from the current items: (slots int64[n], probabilities float64[n])."""
         raise NotImplementedError
 
+    def selection_state(self) -> pb.ShardSelectionState:
+        """How the next picks would go, for a client splitting a batch over shards (docs/SHARDING.md)."""
+        return pb.ShardSelectionState()
+
     def pick_one(self, rng: np.random.Generator) -> int:
         """One pick's slot (what a remover deletes)."""
         return int(self.sample(1, rng)[0][0])

@@ -50,6 +50,13 @@ class Heap(LazyDeletion):
             heapq.heappop(h)
         return h[0][2]
 
+    def selection_state(self) -> pb.ShardSelectionState:
+        """The head's priority: a sharded client takes a batch from the shard whose head is best."""
+        if self._n == 0:
+            return pb.ShardSelectionState()
+        self._pick()  # drops dead entries above the head
+        return pb.ShardSelectionState(has_head=True, head_priority=self._sign * self._entries[0][0])
+
     def restore(self, slots, priorities, insert_seq, update_seq, state) -> None:
         self._load((self._sign * priority, seq, slot) for slot, priority, seq in zip(
             np.asarray(slots).tolist(), np.asarray(priorities).tolist(), np.asarray(update_seq).tolist(), strict=True))

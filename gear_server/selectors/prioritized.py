@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.selectors import priority_weights
 from gear_server.selectors.base import Selector
 from gear_server.selectors.offload import WeightOffload
 from gear_server.selectors.uniform import Uniform
@@ -25,13 +26,6 @@ def block_size_for(capacity: int) -> int:
     """Block size balancing the two search levels for typical batches (power of two, 16..1024)."""
     target = math.sqrt(max(capacity, 1) / 256.0)
     return int(min(1024, max(16, 1 << max(0, round(math.log2(max(target, 1.0)))))))
-
-
-def priority_weights(priorities: np.ndarray, exponent: float) -> np.ndarray:
-    """priority ** exponent, with priority 0 -> weight 0 for every exponent."""
-    p = np.asarray(priorities, np.float64)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        return np.where(p > 0, np.power(p, exponent), 0.0)
 
 
 class Prioritized(Selector):
@@ -110,6 +104,10 @@ class Prioritized(Selector):
 
     def total_weight(self) -> float:
         return float(self._cumsum()[-1]) if self._nblocks else 0.0
+
+    def selection_state(self) -> pb.ShardSelectionState:
+        """The priority mass: a sharded client gives this shard mass / (sum over shards) of a batch."""
+        return pb.ShardSelectionState(priority_mass=self.total_weight())
 
     def _cumsum(self) -> np.ndarray:
         if self._cum is None:

@@ -1,0 +1,248 @@
+"""ShardedSampler: a learner's batches of one table spread over several daemons.
+
+For each batch it asks every live shard for its size and selection state
+(``ServerInfo``, in parallel), splits the batch (``selection.split``), has
+every shard select and deliver its part over the best plane that shard offers
+this learner (a ``PlaneSampler`` per shard: shm on the learner's own host,
+RDMA or inline elsewhere; parts run in parallel, each with its plane's
+torn-read guarantees), rewrites the reported probabilities and sizes to the
+global ones and assembles one batch (``assembly``).
+
+A shard that fails (a call answered UNAVAILABLE, or one that stops answering
+for ``timeout_s`` while its part is outstanding) is marked down: its part is
+split again over the others, so the batch still comes out whole, and it is
+left out until it answers again (``membership``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+
+from gear_client import errors
+from gear_client.data_planes.batch import SampledBatch
+from gear_client.data_planes.range_planning import WindowSpec
+from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
+from gear_client.sharding.assembly import assemble
+from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
+from gear_client.sharding.selection import Policy, ShardWeight, globalise, split
+
+log = logging.getLogger(__name__)
+
+EMPTY_POLL_S = (0.005, 0.2)  # first and longest wait between looks at a table with no item on any shard
+
+
+class ShardedSampler:
+    """Batches of ``table`` over ``shards`` with global semantics (see module docstring). Thread safe."""
+
+    def __init__(self, shards: ShardSet, table: str, *, planes=None, device: Any = None, seed: int | None = None,
+                 owns_shards: bool = False, **plane_options: Any):
+        self.shards = shards
+        self.table = table
+        self.planes = planes
+        self.device = device
+        self._plane_options = plane_options
+        self._owns_shards = owns_shards
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.RLock()
+        self._samplers: dict[int, PlaneSampler] = {}
+        self._policy: Policy | None = None
+        self.closed = False
+        self.resplits = 0  # parts taken again from other shards because their shard failed
+        shards.on_rejoin(self._forget_sampler)
+
+    # ----------------------------------------------------------------- per-shard samplers
+    def _sampler(self, shard: Shard) -> PlaneSampler:
+        with self._lock:
+            if self.closed:
+                raise SamplerClosedError("this sampler is closed")
+            sampler = self._samplers.get(shard.index)
+            if sampler is None:
+                sampler = PlaneSampler(shard.client, self.table, planes=self.planes, device=self.device,
+                                       **self._plane_options)
+                self._samplers[shard.index] = sampler
+            return sampler
+
+    def _forget_sampler(self, shard: Shard) -> None:
+        with self._lock:
+            sampler = self._samplers.pop(shard.index, None)
+        if sampler is not None:
+            sampler.close()
+
+    @property
+    def kind(self) -> str | None:
+        """The planes in use, joined ("shm+inline"), or None before the first batch."""
+        kinds = self.kinds()
+        return "+".join(sorted(set(kinds.values()))) if kinds else None
+
+    def kinds(self) -> dict[str, str]:
+        """Shard address -> the plane its part comes over."""
+        with self._lock:
+            samplers = dict(self._samplers)
+        return {self.shards.shards[i].address: s.kind for i, s in samplers.items() if s.kind is not None}
+
+    def open(self) -> str | None:
+        """Negotiate with every live shard now (sample() does it on first use)."""
+        for shard in self.shards.live():
+            try:
+                self._sampler(shard).open()
+            except errors.ReverbError as exc:
+                if is_unreachable(exc):
+                    self._shard_failed(shard, exc)
+                else:
+                    raise
+        return self.kind
+
+    # ----------------------------------------------------------------- one batch
+    def weights(self) -> tuple[Policy, dict[int, ShardWeight]]:
+        """The table's policy and each live shard's size and selection state (down shards left out)."""
+        live = self.shards.live()
+        answers = self.shards.map(lambda s: s.server_info(self.shards.timeout_s), live)
+        weights: dict[int, ShardWeight] = {}
+        policy = self._policy
+        missing = True
+        for shard, answer in zip(live, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if is_unreachable(answer):
+                    self._shard_failed(shard, answer)
+                    continue
+                raise errors.from_rpc_error(answer, "sample") from answer
+            for info in answer.table_info:
+                if info.name == self.table:
+                    missing = False
+                    if policy is None:
+                        policy = self._policy = Policy.of(info.sampler_options)
+                    weights[shard.index] = ShardWeight.of(shard.index, info)
+                    break
+        if policy is None:
+            if not live or all(isinstance(a, BaseException) for a in answers):
+                raise errors.ServiceError(f"sample: no shard of table '{self.table}' is reachable "
+                                          f"({self._down_summary()})")
+            if missing:
+                raise RuntimeError(f"table '{self.table}' is not on any shard")
+        return policy, weights
+
+    def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
+        """``num_samples`` items with global semantics (fewer only when ``timeout`` passes after some were picked)."""
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = EMPTY_POLL_S[0]
+        while True:
+            if self.closed:
+                raise SamplerClosedError("this sampler is closed")
+            policy, weights = self.weights()
+            plan = split(policy, list(weights.values()), num_samples, self._rng)
+            if plan:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.DeadlineExceededError(f"sample: table '{self.table}' has no item on any live shard "
+                                                   f"within {timeout}s")
+            time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
+            wait = min(2 * wait, EMPTY_POLL_S[1])
+        parts = self._collect(policy, weights, plan, window, deadline)
+        for shard_index, part in parts.items():
+            self.shards.learn_owners(part.keys.tolist(), self.shards.shards[shard_index])
+        size, probabilities = globalise(policy, weights, {
+            s: (p.priorities, p.probabilities, p.table_sizes) for s, p in parts.items()})
+        for part, probs in zip(parts.values(), probabilities, strict=True):
+            part.probabilities = probs
+            part.table_sizes = np.full(len(part), size, np.int64)
+        return assemble(list(parts.values()), self._rng, self.device)
+
+    def _collect(self, policy: Policy, weights: dict[int, ShardWeight], plan: dict[int, int], window: WindowSpec,
+                 deadline: float | None) -> dict[int, SampledBatch]:
+        """Every shard's part, in parallel; a failed shard's part is split again over the others."""
+        got: dict[int, list[SampledBatch]] = {}
+        running: dict[futures.Future, tuple[int, int]] = {}
+        timed_out = None
+
+        def start(shard_index: int, count: int) -> None:
+            shard = self.shards.shards[shard_index]
+            timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+            future = self.shards.submit(self._sampler(shard).sample, count, window=window, timeout=timeout)
+            running[future] = (shard_index, count)
+
+        for shard_index, count in plan.items():
+            start(shard_index, count)
+        while running:
+            done, _ = futures.wait(list(running), timeout=self.shards.timeout_s,
+                                   return_when=futures.FIRST_COMPLETED)
+            if not done:
+                self._check_outstanding({running[f][0] for f in running})
+                continue
+            for future in done:
+                shard_index, count = running.pop(future)
+                shard = self.shards.shards[shard_index]
+                try:
+                    part = future.result()
+                except errors.DeadlineExceededError as exc:
+                    timed_out = exc  # the shard's rate limiter held its part past the timeout
+                    continue
+                except (errors.ReverbError, SamplerClosedError) as exc:
+                    if self.closed:
+                        raise SamplerClosedError("the sampler was closed while sampling") from exc
+                    if not (isinstance(exc, SamplerClosedError) or is_unreachable(exc)):
+                        raise
+                    self._shard_failed(shard, exc)
+                    weights.pop(shard_index, None)
+                    self.resplits += 1
+                    again = split(policy, list(weights.values()), count, self._rng)
+                    if not again:
+                        raise errors.ServiceError(f"sample: no live shard of table '{self.table}' left "
+                                                  f"({self._down_summary()})") from exc
+                    for other, n in again.items():
+                        start(other, n)
+                    continue
+                got.setdefault(shard_index, []).append(part)
+                if len(part) < count:  # a timeout after some picks: a shorter batch, as one table gives
+                    timed_out = timed_out or errors.DeadlineExceededError("sample: rate limiter timeout")
+        if not got:
+            raise timed_out or errors.ServiceError(f"sample: no shard of table '{self.table}' answered")
+        return {s: (ps[0] if len(ps) == 1 else assemble(ps, self._rng, self.device)) for s, ps in got.items()}
+
+    def _check_outstanding(self, shard_indices: set[int]) -> None:
+        """Parts still running after ``timeout_s``: probe their shards; a dead one's part is cut off."""
+        shards = [self.shards.shards[i] for i in shard_indices]
+        answers = self.shards.map(lambda s: s.server_info(self.shards.timeout_s), shards)
+        for shard, answer in zip(shards, answers, strict=True):
+            if isinstance(answer, BaseException) and is_unreachable(answer):
+                self._shard_failed(shard, answer)  # closes its sampler: the part ends with SamplerClosedError
+
+    def _shard_failed(self, shard: Shard, error: BaseException) -> None:
+        self.shards.mark_down(shard, error)
+        self._forget_sampler(shard)
+
+    def _down_summary(self) -> str:
+        down = [f"{s.address}: {s.last_error}" for s in self.shards.states() if not s.up]
+        return "; ".join(down) if down else "every shard answered"
+
+    # ----------------------------------------------------------------- many batches
+    def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None):
+        """Batches without end (each shard's part over its own plane, the shards in parallel)."""
+        while True:
+            yield self.sample(num_samples, window=window, timeout=timeout)
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Close every shard's session (a sample blocked in another thread ends with SamplerClosedError)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            samplers, self._samplers = list(self._samplers.values()), {}
+        for sampler in samplers:
+            sampler.close()
+        if self._owns_shards:
+            self.shards.close()
+
+    def __enter__(self) -> ShardedSampler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,125 @@
+"""Global selection over shards: how a batch is split, and the probabilities reported.
+
+Every shard selects its own part with its own selector (its GPU kernels or CPU
+structure); the client only decides how many items each shard picks and rewrites
+the reported ``probability`` and ``table_size`` to the global ones:
+
+* uniform: the batch is split multinomially by the shards' sizes, so every item
+  of every shard is equally likely; probability 1 / global size.
+* prioritized: split multinomially by each shard's priority mass (sum of
+  priority ** exponent), so P(item) = p ** a / global mass; the reported
+  probability is exactly that, with each sampled shard's mass as it was when it
+  selected (derived from its answer: weight / local probability) and the others'
+  masses as they reported them just before. Every mass 0: uniform, as one table.
+* max/min heap: the whole batch comes from the shard whose head (highest /
+  lowest priority) is best, which is the global head: exact for every pick that
+  one table would take from its head too (e.g. batches that do not use the head
+  up through max_times_sampled); after that, approximate.
+* fifo/lifo: the shards have no common clock, so the batch is split by size and
+  each shard gives its own oldest (newest) items: exact per shard, approximate
+  globally. Reported probability 1.0 (as one table).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.selectors import priority_weights
+
+UNIFORM, PRIORITIZED, HEAP, FIFO, LIFO = "uniform", "prioritized", "heap", "fifo", "lifo"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A table's sampler, as far as splitting a batch over shards needs it."""
+
+    kind: str
+    exponent: float = 0.0
+    min_heap: bool = False
+
+    @classmethod
+    def of(cls, options: pb.SelectorOptions) -> Policy:
+        kind = options.WhichOneof("distribution")
+        if kind == PRIORITIZED:
+            return cls(kind, exponent=float(options.prioritized.priority_exponent))
+        if kind == HEAP:
+            return cls(kind, min_heap=bool(options.heap.min_heap))
+        if kind not in (UNIFORM, FIFO, LIFO):
+            raise ValueError(f"a sharded table needs a known sampler, got {kind!r}")
+        return cls(kind)
+
+
+@dataclass(frozen=True)
+class ShardWeight:
+    """One shard's state for a split (from its TableInfo)."""
+
+    shard: int
+    size: int
+    mass: float = 0.0
+    head: float | None = None  # heaps: the next pick's priority
+
+    @classmethod
+    def of(cls, shard: int, info: pb.TableInfo) -> ShardWeight:
+        state = info.selection_state
+        return cls(shard, int(info.current_size), float(state.priority_mass),
+                   float(state.head_priority) if state.has_head else None)
+
+
+def split(policy: Policy, weights: list[ShardWeight], n: int, rng: np.random.Generator) -> dict[int, int]:
+    """How many of ``n`` items each shard picks (shard -> count > 0); {} when no shard has an item."""
+    present = [w for w in weights if w.size > 0]
+    if not present or n <= 0:
+        return {}
+    if policy.kind == HEAP:
+        best = max(present, key=lambda w: ((-w.head if policy.min_heap else w.head)
+                                           if w.head is not None else -math.inf, -w.shard))
+        return {best.shard: n}
+    share = np.array([w.size for w in present], np.float64)
+    if policy.kind == PRIORITIZED:
+        masses = np.array([w.mass for w in present], np.float64)
+        total = masses.sum()
+        if total > 0 and math.isfinite(total):
+            share = masses
+    counts = rng.multinomial(n, share / share.sum())
+    return {w.shard: int(c) for w, c in zip(present, counts.tolist(), strict=True) if c}
+
+
+def selection_mass(policy: Policy, priorities: np.ndarray, probabilities: np.ndarray) -> float | None:
+    """A shard's priority mass when it selected (weight / its probability), None if its answer cannot tell."""
+    w = priority_weights(priorities, policy.exponent)
+    ok = (w > 0) & (probabilities > 0)
+    if not ok.any():
+        return None
+    return float(np.median(w[ok] / probabilities[ok]))
+
+
+def globalise(policy: Policy, weights: dict[int, ShardWeight], parts: dict[int, tuple[np.ndarray, ...]]
+              ) -> tuple[int, list[np.ndarray]]:
+    """Global (table_size, per-part probabilities) of parts shard -> (priorities, probabilities, table_sizes).
+
+    Sampled shards count with their size and mass at selection; the others with
+    what they reported before the split (``weights``).
+    """
+    sizes = {s: w.size for s, w in weights.items()}
+    masses = {s: w.mass for s, w in weights.items()}
+    for s, (priorities, probabilities, table_sizes) in parts.items():
+        if len(table_sizes):
+            sizes[s] = int(table_sizes[0])
+        if policy.kind == PRIORITIZED:
+            mass = selection_mass(policy, priorities, probabilities)
+            if mass is not None:
+                masses[s] = mass
+    global_size = int(sum(sizes.values()))
+    out = []
+    for priorities, probabilities, _ in parts.values():
+        if policy.kind == UNIFORM or (policy.kind == PRIORITIZED and not sum(masses.values()) > 0):
+            out.append(np.full(len(priorities), 1.0 / max(global_size, 1)))
+        elif policy.kind == PRIORITIZED:
+            out.append(priority_weights(priorities, policy.exponent) / sum(masses.values()))
+        else:
+            out.append(np.asarray(probabilities, np.float64))
+    return global_size, out

@@ -1,0 +1,110 @@
+"""Three real daemon processes on loopback, one table spread over them (docs/SHARDING.md).
+
+Shard 0 runs with this test process's host identity (a learner here reaches it
+over shm, and it is the "own host" daemon for inserts); shards 1 and 2 claim
+other host identities (``GEAR_HOST_ID``), so this process is a remote learner
+for them and reads their parts inline. Each daemon has a fixed port (a
+restarted one comes back at the same address) and its own checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gear_contract.negotiation import local_host_id
+from tests.ops._support import DaemonProcess, free_port
+
+NUM_SHARDS = 3
+EXPONENT = 0.8
+ITEM_STEPS = 16
+ITEM_DIM = 64
+
+TABLES = f'''
+[[tables]]
+name = "prio"
+sampler = {{ prioritized = {{ priority_exponent = {EXPONENT} }} }}
+remover = "fifo"
+max_size = 1000
+rate_limiter = {{ min_size = 1 }}
+
+[[tables]]
+name = "uni"
+sampler = "uniform"
+remover = "fifo"
+max_size = 1000
+rate_limiter = {{ min_size = 1 }}
+
+[[tables]]
+name = "heap"
+sampler = "max_heap"
+remover = "fifo"
+max_size = 1000
+rate_limiter = {{ min_size = 1 }}
+
+[[tables]]
+name = "events"
+sampler = "uniform"
+remover = "fifo"
+max_size = 1000
+rate_limiter = {{ min_size = 1 }}
+
+[[tables]]
+name = "items"
+sampler = "uniform"
+remover = "fifo"
+max_size = 24
+rate_limiter = {{ min_size = 1 }}
+'''
+
+
+def shard_config(port: int, instance: str, checkpoints: Path) -> str:
+    return f'''
+bind_address = "127.0.0.1"
+port = {port}
+instance_name = "{instance}"
+{TABLES}
+[checkpoint]
+dir = "{checkpoints}"
+on_stop = true
+restore = true
+'''
+
+
+class Cluster:
+    """NUM_SHARDS daemons (see module docstring); ``restart(i)`` brings shard i back on its port."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.ports = [free_port() for _ in range(NUM_SHARDS)]
+        self.host_ids = [local_host_id()] + [f"other-host-{i}" for i in range(1, NUM_SHARDS)]
+        self.daemons: list[DaemonProcess | None] = [None] * NUM_SHARDS
+        for i in range(NUM_SHARDS):
+            self.daemons[i] = self._spawn(i)
+        for d in self.daemons:
+            d.wait_ready()
+
+    def _spawn(self, i: int) -> DaemonProcess:
+        checkpoints = self.folder / f"ckpt{i}"
+        checkpoints.mkdir(exist_ok=True)
+        config = shard_config(self.ports[i], f"shardtest{os.getpid()}s{i}", checkpoints)
+        return DaemonProcess(self.folder, config, name=f"shard{i}", env={"GEAR_HOST_ID": self.host_ids[i]})
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def kill(self, i: int) -> None:
+        self.daemons[i].kill()
+
+    def alive(self, i: int) -> bool:
+        return self.daemons[i].process.poll() is None
+
+    def restart(self, i: int) -> None:
+        self.daemons[i] = self._spawn(i)
+        self.daemons[i].wait_ready()
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            if d is not None:
+                d.stop()

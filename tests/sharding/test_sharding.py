@@ -1,0 +1,313 @@
+"""One table over three real daemon processes: global sampling, routing, failure, checkpoints, planes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+import gear_client as reverb
+from gear_client.sharding.client import ShardedClient
+from gear_contract.selectors import priority_weights
+from tests.data_planes._support import ACTION, item_ok, make_item
+from tests.kernels._stats import P_MIN, chi_square_p
+
+from ._support import EXPONENT, ITEM_DIM, ITEM_STEPS, NUM_SHARDS, Cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = (4, 9, 15)  # items per shard in "prio", "uni" and "heap": different sizes and masses
+SEED = 20261125
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("shards"))
+    try:
+        _fill(c)
+        yield c
+    finally:
+        c.stop()
+
+
+def _priority(item_id: int) -> float:
+    return 0.5 + (item_id * 7919 % 23) / 4.0
+
+
+def _fill(c: Cluster) -> None:
+    """Item ids 0.. in shard order; each shard's items go straight to its daemon."""
+    item_id = 0
+    for shard, n in enumerate(SIZES):
+        client = reverb.Client(c.addresses[shard])
+        for _ in range(n):
+            p = _priority(item_id)
+            client.insert({"id": np.int64(item_id)}, priorities={"prio": p, "uni": 1.0, "heap": p})
+            item_id += 1
+        client.close()
+
+
+def _ids(batch) -> np.ndarray:
+    return np.asarray(batch.columns[0]).reshape(len(batch), -1)[:, 0].astype(np.int64)
+
+
+def _sharded(c: Cluster, **kwargs) -> ShardedClient:
+    client = reverb.Client(c.addresses, **kwargs)
+    assert isinstance(client, ShardedClient)
+    return client
+
+
+def test_one_address_is_a_plain_client_and_addresses_of_one_daemon_are_one_shard(cluster):
+    assert type(reverb.Client(cluster.addresses[0])) is reverb.Client
+    client = reverb.Client([f"localhost:{cluster.ports[0]}", cluster.addresses[0], cluster.addresses[1]])
+    try:
+        assert [s.address for s in client.shards()] == [cluster.addresses[0], cluster.addresses[1]]
+        assert isinstance(reverb.Client(",".join(cluster.addresses)), ShardedClient)
+    finally:
+        client.close()
+
+
+def test_server_info_reports_global_size_and_counters(cluster):
+    client = _sharded(cluster)
+    try:
+        info = client.server_info()
+        total = sum(SIZES)
+        assert info["prio"].current_size == total
+        assert info["uni"].max_size == NUM_SHARDS * 1000
+        assert info["prio"].rate_limiter_info.insert_stats.completed >= total
+        assert [s.up for s in info["prio"].shards] == [True] * NUM_SHARDS
+    finally:
+        client.close()
+
+
+def _distribution(client: ShardedClient, table: str, draws: int) -> tuple[np.ndarray, list]:
+    sampler = client.sampler(table)
+    counts = np.zeros(sum(SIZES))
+    batches = []
+    for _ in range(draws // 500):
+        batch = sampler.sample(500)
+        np.add.at(counts, _ids(batch), 1)
+        batches.append(batch)
+    return counts, batches
+
+
+def test_prioritized_matches_one_table(cluster):
+    client = _sharded(cluster, seed=SEED)
+    try:
+        counts, batches = _distribution(client, "prio", 12000)
+        weights = priority_weights(np.array([_priority(i) for i in range(sum(SIZES))]), EXPONENT)
+        expected = weights / weights.sum()
+        assert chi_square_p(counts, expected * counts.sum()) >= P_MIN
+        for batch in batches[:3]:
+            np.testing.assert_allclose(batch.probabilities, expected[_ids(batch)], rtol=1e-9)
+            assert set(batch.table_sizes.tolist()) == {sum(SIZES)}
+        assert sorted(client.sampler("prio").kinds().values()) == ["inline", "inline", "shm"]
+    finally:
+        client.close()
+
+
+def test_uniform_matches_one_table_and_keys_are_unique(cluster):
+    client = _sharded(cluster, seed=SEED)
+    try:
+        counts, batches = _distribution(client, "uni", 6000)
+        total = sum(SIZES)
+        assert chi_square_p(counts, np.full(total, counts.sum() / total)) >= P_MIN
+        key_to_id: dict[int, int] = {}
+        for batch in batches:
+            np.testing.assert_allclose(batch.probabilities, 1.0 / total)
+            for key, item in zip(batch.keys.tolist(), _ids(batch).tolist(), strict=True):
+                assert key_to_id.setdefault(key, item) == item, "one key names two items"
+        assert len(key_to_id) == total == len(set(key_to_id.values()))
+    finally:
+        client.close()
+
+
+def test_heap_takes_the_global_head(cluster):
+    client = _sharded(cluster)
+    try:
+        batch = client.sampler("heap").sample(5)
+        best = max(range(sum(SIZES)), key=lambda i: (_priority(i), -i))
+        assert _ids(batch).tolist() == [best] * 5
+    finally:
+        client.close()
+
+
+def _masses(c: Cluster, table: str) -> list[tuple[int, float]]:
+    out = []
+    for address in c.addresses:
+        info = reverb.Client(address)._fetch_server_info(5.0)
+        t = next(t for t in info.table_info if t.name == table)
+        out.append((int(t.current_size), float(t.selection_state.priority_mass)))
+    return out
+
+
+def test_mutate_and_delete_reach_the_owning_shard(cluster):
+    client = _sharded(cluster, seed=1)
+    try:
+        batch = client.sampler("prio").sample(40)
+        ids = _ids(batch)
+        owner_of = np.searchsorted(np.cumsum(SIZES), ids, side="right")
+        pick = int(np.flatnonzero(owner_of == 2)[0])
+        key, item = int(batch.keys[pick]), int(ids[pick])
+        before = _masses(cluster, "prio")
+        client.mutate_priorities("prio", updates={key: 50.0})
+        after = _masses(cluster, "prio")
+        grown = 50.0 ** EXPONENT - _priority(item) ** EXPONENT
+        assert after[0] == before[0] and after[1] == before[1]
+        assert after[2][1] == pytest.approx(before[2][1] + grown)
+        # a client that never saw the key (no cached owner) sends it to every shard: only the owner holds it
+        other = _sharded(cluster)
+        other.mutate_priorities("prio", updates={key: _priority(item)})
+        restored = _masses(cluster, "prio")
+        assert [n for n, _ in restored] == [n for n, _ in before]
+        assert [m for _, m in restored] == pytest.approx([m for _, m in before])
+        other.close()
+        # delete through the owner cache, then put the item back where it was
+        client.mutate_priorities("uni", deletes=[int(k) for k in client.sampler("uni").sample(1).keys])
+        sizes = [s for s, _ in _masses(cluster, "uni")]
+        assert sum(sizes) == sum(SIZES) - 1 and sorted(np.array(SIZES) - sizes) == [0, 0, 1]
+    finally:
+        client.close()
+    _refill_uni(cluster)
+
+
+def _refill_uni(c: Cluster) -> None:
+    """Give "uni" back one item on the shard that lost one (ids as before)."""
+    sizes = [s for s, _ in _masses(c, "uni")]
+    for shard, (have, want) in enumerate(zip(sizes, SIZES, strict=True)):
+        if have < want:
+            present = set()
+            client = reverb.Client(c.addresses[shard])
+            for s in client.sample("uni", 200, emit_timesteps=False):
+                present.add(int(np.asarray(s.data[0]).reshape(-1)[0]))
+            lo = sum(SIZES[:shard])
+            missing = sorted(set(range(lo, lo + want)) - present)
+            for item in missing:
+                client.insert({"id": np.int64(item)}, priorities={"uni": 1.0})
+            client.close()
+
+
+def test_inserts_go_to_the_own_host_daemon_else_spread_by_writer(cluster):
+    own = _sharded(cluster)  # this process's host identity is shard 0's
+    other = _sharded(cluster, host_id="elsewhere", seed=3)
+    try:
+        before = [s for s, _ in _masses(cluster, "events")]
+        for i in range(3):
+            own.insert({"id": np.int64(1000 + i)}, priorities={"events": 1.0})
+        after = [s for s, _ in _masses(cluster, "events")]
+        assert after[0] == before[0] + 3 and after[1:] == before[1:]
+        own.reset("events")
+        for i in range(12):
+            with other.trajectory_writer(2) as writer:
+                writer.append({"id": np.int64(2000 + i)})
+                writer.create_item("events", 1.0, {"id": writer.history["id"][-1]})
+        spread = [s for s, _ in _masses(cluster, "events")]
+        assert sum(spread) == 12 and all(s > 0 for s in spread)
+        other.reset("events")
+        assert other.server_info()["events"].current_size == 0
+    finally:
+        own.close()
+        other.close()
+
+
+def _write_items(client, stop: threading.Event, first: int) -> None:
+    seed = first
+    while not stop.is_set():
+        item = make_item(seed, ITEM_STEPS, ITEM_DIM)
+        with client.trajectory_writer(ITEM_STEPS) as writer:
+            for t in range(ITEM_STEPS):
+                writer.append({k: v[t] for k, v in item.items()})
+            writer.create_item("items", 1.0, {k: writer.history[k][-ITEM_STEPS:] for k in item})
+        seed += 1
+
+
+def test_learner_reads_own_shard_over_shm_others_inline_never_torn(cluster):
+    addresses = cluster.addresses
+    writers = [reverb.Client(a) for a in addresses]
+    stop = threading.Event()
+    threads = [threading.Thread(target=_write_items, args=(w, stop, 10_000 * (i + 1)), daemon=True)
+               for i, w in enumerate(writers)]
+    for t in threads:
+        t.start()
+    try:
+        with reverb.TrajectoryDataset(addresses, "items", batch_size=16, max_samples=16 * 25,
+                                      sampler_options={"seed": SEED}) as ds:
+            seen = 0
+            seed_of_key: dict[int, int] = {}
+            for batch in ds.batches():
+                action, obs, reward = batch.columns
+                for i in range(len(batch)):  # checksums: no item mixes bytes of two
+                    n = int(batch.lengths[i, ACTION])
+                    assert n == ITEM_STEPS and item_ok(action[i, :n], obs[i, :n], reward[i, :n]), f"item {i} torn"
+                    assert seed_of_key.setdefault(int(batch.keys[i]), int(action[i, 0])) == int(action[i, 0])
+                seen += len(batch)
+                assert set(batch.table_sizes.tolist()) <= set(range(1, NUM_SHARDS * 24 + 1))
+            assert seen == 16 * 25
+            kinds = ds._sampler.kinds()
+            assert kinds[addresses[0]] == "shm"
+            assert kinds[addresses[1]] == kinds[addresses[2]] == "inline"
+            assert ds.plane == "inline+shm"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        for w in writers:
+            w.close()
+
+
+def test_dead_shard_is_skipped_marked_and_rejoins_with_its_checkpoint(cluster, caplog):
+    client = _sharded(cluster, host_id="elsewhere", seed=SEED, shard_timeout_s=1.0, shard_retry_s=0.2)
+    try:
+        paths = client.checkpoint().split(",")
+        assert len(paths) == NUM_SHARDS
+        client.sampler("uni").sample(8)  # sessions open on every shard
+        cluster.kill(2)
+        with caplog.at_level(logging.WARNING, logger="gear_client.sharding"):
+            batch = client.sampler("uni").sample(300)
+        assert len(batch) == 300
+        ids = _ids(batch)
+        assert ids.max() < sum(SIZES[:2]), "a dead shard's items were sampled"
+        assert set(batch.table_sizes.tolist()) == {sum(SIZES[:2])}
+        assert any("is down" in r.getMessage() for r in caplog.records)
+        states = client.server_info()["uni"].shards
+        assert [s.up for s in states] == [True, True, False] and states[2].failures == 1
+        for i in range(6):  # inserts meant for it go to the others
+            client.insert({"id": np.int64(5000 + i)}, priorities={"events": 1.0})
+        assert client.server_info()["events"].current_size == 6
+        cluster.restart(2)  # restores the checkpoint taken above
+        for _ in range(100):
+            if client.shards()[2].up:
+                break
+            threading.Event().wait(0.1)
+        assert client.shards()[2].up
+        batch = client.sampler("uni").sample(600)
+        assert _ids(batch).max() >= sum(SIZES[:2]), "the restarted shard's items are not sampled"
+        assert set(batch.table_sizes.tolist()) == {sum(SIZES)}
+    finally:
+        client.close()
+        if not cluster.alive(2):
+            cluster.restart(2)
+        for address in cluster.addresses:
+            reverb.Client(address).reset("events")
+
+
+def test_checkpoint_and_restore_every_shard(cluster):
+    client = _sharded(cluster)
+    try:
+        before = {name: info.current_size for name, info in client.server_info().items()}
+        paths = client.checkpoint().split(",")
+        assert len(paths) == NUM_SHARDS and len(set(paths)) == NUM_SHARDS
+    finally:
+        client.close()
+    for i in range(NUM_SHARDS):
+        cluster.daemons[i].stop()
+    for i in range(NUM_SHARDS):
+        cluster.restart(i)
+    client = _sharded(cluster)
+    try:
+        after = {name: info.current_size for name, info in client.server_info().items()}
+        assert after == before
+        assert after["prio"] == sum(SIZES)
+    finally:
+        client.close()
