@@ -29,7 +29,7 @@ import numpy as np
 from gear_client import errors
 from gear_client.auth import ChannelSecurity
 from gear_client.connection import DaemonChannel, check_address, connect_timeout_option
-from gear_client.replay_sample import ReplaySample, SampleInfo
+from gear_client.replay_sample import ReplaySample, SampleInfo, emit_sample
 from gear_client.table_info import TableInfo
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
@@ -54,7 +54,7 @@ class Client:
             if shard_addresses(server_address) is not None:
                 from gear_client.sharding.client import ShardedClient
 
-                return ShardedClient(server_address, *args, **kwargs)
+                return ShardedClient(server_address, *args, client_type=Client, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, server_address: str, client: Client | None = None, *, token: str | None = None,
@@ -380,32 +380,6 @@ def _data_planes_option(value: Sequence[str] | str | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown data plane(s) {unknown}; known: shm, rdma, inline")
     return planes
-
-
-def emit_sample(info: SampleInfo, data: list, structure: pb.Structure | None, emit_timesteps: bool
-                ) -> list[ReplaySample] | ReplaySample:
-    """What ``sample`` yields for one item: its ReplaySample, or one per step (``emit_timesteps``)."""
-    if emit_timesteps:
-        if len({_length_of(col) for col in data}) != 1:
-            raise ValueError("Can't split non timestep trajectory into timesteps.")
-        steps = []
-        for t in range(_length_of(data[0])):
-            step = [np.asarray(col[t], col.dtype) for col in data]
-            steps.append(ReplaySample(info=info, data=_unpack(structure, step)))
-        return steps
-    return ReplaySample(info=info, data=_unpack(structure, data))
-
-
-def _length_of(column: np.ndarray) -> int:
-    if column.ndim == 0:
-        raise ValueError("Can't split non timestep trajectory into timesteps.")
-    return int(column.shape[0])
-
-
-def _unpack(structure: pb.Structure | None, leaves: list) -> Any:
-    if structure is None:
-        return leaves
-    return nest.unflatten(structure, leaves)
 
 
 def _sample_info(m: pb.SampleInfo) -> SampleInfo:

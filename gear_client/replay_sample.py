@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["SampleInfo", "ReplaySample"]
+import numpy as np
+
+from gear_contract import nest
+from gear_contract._proto import replay_pb2 as pb
+
+__all__ = ["SampleInfo", "ReplaySample", "emit_sample"]
 
 
 class SampleInfo(NamedTuple):
@@ -50,3 +55,29 @@ class ReplaySample(NamedTuple):
 
     info: SampleInfo
     data: Any
+
+
+def emit_sample(info: SampleInfo, data: list, structure: pb.Structure | None, emit_timesteps: bool
+                ) -> list[ReplaySample] | ReplaySample:
+    """What ``sample`` yields for one item: its ReplaySample, or one per step (``emit_timesteps``)."""
+    if emit_timesteps:
+        if len({_length_of(col) for col in data}) != 1:
+            raise ValueError("Can't split non timestep trajectory into timesteps.")
+        steps = []
+        for t in range(_length_of(data[0])):
+            step = [np.asarray(col[t], col.dtype) for col in data]
+            steps.append(ReplaySample(info=info, data=_unpack(structure, step)))
+        return steps
+    return ReplaySample(info=info, data=_unpack(structure, data))
+
+
+def _length_of(column: np.ndarray) -> int:
+    if column.ndim == 0:
+        raise ValueError("Can't split non timestep trajectory into timesteps.")
+    return int(column.shape[0])
+
+
+def _unpack(structure: pb.Structure | None, leaves: list) -> Any:
+    if structure is None:
+        return leaves
+    return nest.unflatten(structure, leaves)

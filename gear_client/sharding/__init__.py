@@ -23,12 +23,16 @@ def is_sharded(target: Any) -> bool:
     return isinstance(target, ShardedClient) or shard_addresses(target) is not None
 
 
-def sharded_sampler(target: Any, table: str, *, planes=None, device: Any = None, **options: Any):
-    """A ShardedSampler of ``table`` for a ShardedClient or an address spec naming several daemons."""
+def sharded_sampler(target: Any, table: str, *, client_type: type, planes=None, device: Any = None,
+                    **options: Any):
+    """A ShardedSampler of ``table`` for a ShardedClient or an address spec naming several daemons.
+
+    ``client_type``: gear_client.Client (the client of one shard).
+    """
     from gear_client.sharding.client import ShardedClient
     from gear_client.sharding.sampler import ShardedSampler
 
     if isinstance(target, ShardedClient):
         return ShardedSampler(target.shard_set, table, planes=planes, device=device, **options)
-    client = ShardedClient(target)
+    client = ShardedClient(target, client_type=client_type)
     return ShardedSampler(client.shard_set, table, planes=planes, device=device, owns_shards=True, **options)

@@ -31,8 +31,7 @@ import grpc
 import numpy as np
 
 from gear_client import errors
-from gear_client.client import Client, _data_planes_option, emit_sample
-from gear_client.replay_sample import ReplaySample
+from gear_client.replay_sample import ReplaySample, emit_sample
 from gear_client.sharding.membership import (
     DEFAULT_RETRY_S,
     DEFAULT_TIMEOUT_S,
@@ -62,17 +61,20 @@ class ShardedTableInfo(TableInfo):
 class ShardedClient:
     """One logical replay service over several daemons (see module docstring)."""
 
-    def __init__(self, server_address: Any, client: Any = None, *, token: str | None = None,
+    def __init__(self, server_address: Any, client: Any = None, *, client_type: type, token: str | None = None,
                  root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None,
                  data_planes: Sequence[str] | None = None, host_id: str | None = None, seed: int | None = None,
                  shard_timeout_s: float = DEFAULT_TIMEOUT_S, shard_retry_s: float = DEFAULT_RETRY_S):
-        """``host_id``: this client's host identity (default: the local one) for picking its own host's daemon.
+        """``client_type``: gear_client.Client, the client of one shard (``Client.__new__`` passes it).
+
+        ``host_id``: this client's host identity (default: the local one) for picking its own host's daemon.
 
         ``shard_timeout_s``: a shard that does not answer within it is marked down;
         ``shard_retry_s``: how often a down shard is probed. ``seed``: the splits and
         insert placements reproduce.
         """
         del client  # Reverb's "pre-existing client": each shard opens its own channel
+        self._client_type = client_type
         addresses = shard_addresses(server_address)
         if addresses is None:
             addresses = [server_address]
@@ -90,11 +92,11 @@ class ShardedClient:
         self._samplers: dict[str, ShardedSampler] = {}
         self.shard_set = ShardSet(addresses, self._shard_client, timeout_s=shard_timeout_s, retry_s=shard_retry_s)
 
-    def _shard_client(self, address: str) -> Client:
-        return Client(address, data_planes=self._data_planes, **self._security_args)
+    def _shard_client(self, address: str) -> Any:
+        return self._client_type(address, data_planes=self._data_planes, **self._security_args)
 
     def __reduce__(self):
-        return _rebuild, (self._spec, self._security_args, self._data_planes, self._options)
+        return _rebuild, (self._client_type, self._spec, self._security_args, self._data_planes, self._options)
 
     def __repr__(self) -> str:
         return f"ShardedClient, server_address={','.join(s.address for s in self.shard_set.shards)}"
@@ -165,7 +167,7 @@ class ShardedClient:
             sampler = self._samplers.get(table)
             if sampler is None:
                 seed = None if self._seed is None else self._seed + 1 + len(self._samplers)
-                planes = ("inline", *_data_planes_option(self._data_planes))
+                planes = ("inline", *self.shard_set.shards[0].client._data_planes)  # the shard clients' choice
                 sampler = self._samplers[table] = ShardedSampler(self.shard_set, table, planes=planes, seed=seed,
                                                                  host_id=self.host_id)
             return sampler
@@ -300,6 +302,6 @@ def sum_table_infos(infos: list[pb.TableInfo]) -> pb.TableInfo:
     return out
 
 
-def _rebuild(spec: list[str], security_args: dict[str, Any], data_planes: Any, options: dict[str, Any]
-             ) -> ShardedClient:
-    return ShardedClient(spec, data_planes=data_planes, **security_args, **options)
+def _rebuild(client_type: type, spec: list[str], security_args: dict[str, Any], data_planes: Any,
+             options: dict[str, Any]) -> ShardedClient:
+    return ShardedClient(spec, client_type=client_type, data_planes=data_planes, **security_args, **options)

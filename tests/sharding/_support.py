@@ -20,42 +20,22 @@ EXPONENT = 0.8
 ITEM_STEPS = 16
 ITEM_DIM = 64
 
-TABLES = f'''
+# name -> (sampler, max_size); every table: fifo remover, sampling from the first item on
+_TABLES = {
+    "prio": (f"{{ prioritized = {{ priority_exponent = {EXPONENT} }} }}", 1000),
+    "uni": ('"uniform"', 1000),
+    "heap": ('"max_heap"', 1000),
+    "events": ('"uniform"', 1000),
+    "items": ('"uniform"', 24),  # checksummed trajectories, rewritten while a learner reads
+}
+TABLES = "".join(f"""
 [[tables]]
-name = "prio"
-sampler = {{ prioritized = {{ priority_exponent = {EXPONENT} }} }}
+name = "{name}"
+sampler = {sampler}
 remover = "fifo"
-max_size = 1000
+max_size = {max_size}
 rate_limiter = {{ min_size = 1 }}
-
-[[tables]]
-name = "uni"
-sampler = "uniform"
-remover = "fifo"
-max_size = 1000
-rate_limiter = {{ min_size = 1 }}
-
-[[tables]]
-name = "heap"
-sampler = "max_heap"
-remover = "fifo"
-max_size = 1000
-rate_limiter = {{ min_size = 1 }}
-
-[[tables]]
-name = "events"
-sampler = "uniform"
-remover = "fifo"
-max_size = 1000
-rate_limiter = {{ min_size = 1 }}
-
-[[tables]]
-name = "items"
-sampler = "uniform"
-remover = "fifo"
-max_size = 24
-rate_limiter = {{ min_size = 1 }}
-'''
+""" for name, (sampler, max_size) in _TABLES.items())
 
 
 def shard_config(port: int, instance: str, checkpoints: Path) -> str:
