@@ -42,6 +42,7 @@ from gear_client.sharding.membership import (
     shard_addresses,
 )
 from gear_client.sharding.sampler import ShardedSampler
+from gear_client.sharding.selection import sum_table_infos
 from gear_client.table_info import TableInfo
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
@@ -278,28 +279,6 @@ class ShardedClient:
                     raise
                 self.shard_set.mark_down(shard, exc)
         raise errors.ServiceError(f"no shard of table '{table}' is reachable", grpc.StatusCode.UNAVAILABLE)
-
-
-def sum_table_infos(infos: list[pb.TableInfo]) -> pb.TableInfo:
-    """One table's TableInfo over its shards: sizes, counters and times summed, options from the first."""
-    out = pb.TableInfo()
-    out.CopyFrom(infos[0])
-    for info in infos[1:]:
-        out.max_size += info.max_size
-        out.current_size += info.current_size
-        out.num_episodes += info.num_episodes
-        out.num_deleted_episodes += info.num_deleted_episodes
-        out.num_unique_samples += info.num_unique_samples
-        out.table_worker_time_ms += info.table_worker_time_ms
-        out.selection_state.priority_mass += info.selection_state.priority_mass
-        rl, other = out.rate_limiter_info, info.rate_limiter_info
-        rl.num_deletes += other.num_deletes  # the limiter's options stay the first shard's: they act per shard
-        for mine, theirs in ((rl.insert_stats, other.insert_stats), (rl.sample_stats, other.sample_stats)):
-            mine.completed += theirs.completed
-            mine.limited += theirs.limited
-            mine.completed_wait_time_s += theirs.completed_wait_time_s
-            mine.pending_wait_time_s += theirs.pending_wait_time_s
-    return out
 
 
 def _rebuild(client_type: type, spec: list[str], security_args: dict[str, Any], data_planes: Any,

@@ -30,7 +30,8 @@ from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
 from gear_client.sharding.assembly import assemble
 from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
-from gear_client.sharding.selection import Policy, ShardWeight, globalise, split
+from gear_client.sharding.selection import Policy, ShardWeight, globalise, split, sum_table_infos
+from gear_contract._proto import replay_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,22 @@ class ShardedSampler:
             if missing:
                 raise RuntimeError(f"table '{self.table}' is not on any shard")
         return policy, weights
+
+    def table_info(self) -> pb.TableInfo:
+        """The table's global TableInfo (sizes and counters summed over the live shards)."""
+        live = self.shards.live()
+        answers = self.shards.map(lambda s: s.server_info(self.shards.timeout_s), live)
+        infos = []
+        for shard, answer in zip(live, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not is_unreachable(answer):
+                    raise errors.from_rpc_error(answer, "server_info") from answer
+                self._shard_failed(shard, answer)
+                continue
+            infos.extend(info for info in answer.table_info if info.name == self.table)
+        if not infos:
+            raise KeyError(f"no live shard has a table '{self.table}' ({self._down_summary()})")
+        return sum_table_infos(infos)
 
     def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
         """``num_samples`` items with global semantics (fewer only when ``timeout`` passes after some were picked)."""

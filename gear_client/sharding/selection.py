@@ -123,3 +123,25 @@ def globalise(policy: Policy, weights: dict[int, ShardWeight], parts: dict[int, 
         else:
             out.append(np.asarray(probabilities, np.float64))
     return global_size, out
+
+
+def sum_table_infos(infos: list[pb.TableInfo]) -> pb.TableInfo:
+    """One table's TableInfo over its shards: sizes, counters and times summed, options from the first."""
+    out = pb.TableInfo()
+    out.CopyFrom(infos[0])
+    for info in infos[1:]:
+        out.max_size += info.max_size
+        out.current_size += info.current_size
+        out.num_episodes += info.num_episodes
+        out.num_deleted_episodes += info.num_deleted_episodes
+        out.num_unique_samples += info.num_unique_samples
+        out.table_worker_time_ms += info.table_worker_time_ms
+        out.selection_state.priority_mass += info.selection_state.priority_mass
+        rl, other = out.rate_limiter_info, info.rate_limiter_info
+        rl.num_deletes += other.num_deletes  # the limiter's options stay the first shard's: they act per shard
+        for mine, theirs in ((rl.insert_stats, other.insert_stats), (rl.sample_stats, other.sample_stats)):
+            mine.completed += theirs.completed
+            mine.limited += theirs.limited
+            mine.completed_wait_time_s += theirs.completed_wait_time_s
+            mine.pending_wait_time_s += theirs.pending_wait_time_s
+    return out
