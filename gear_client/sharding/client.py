@@ -64,12 +64,14 @@ class ShardedClient:
 
     def __init__(self, server_address: Any, client: Any = None, *, client_type: type, token: str | None = None,
                  root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None,
-                 data_planes: Sequence[str] | None = None, host_id: str | None = None, seed: int | None = None,
+                 data_planes: Sequence[str] | None = None, connect_timeout: float | None = None,
+                 host_id: str | None = None, seed: int | None = None,
                  shard_timeout_s: float = DEFAULT_TIMEOUT_S, shard_retry_s: float = DEFAULT_RETRY_S):
         """``client_type``: gear_client.Client, the client of one shard (``Client.__new__`` passes it).
 
         ``host_id``: this client's host identity (default: the local one) for picking its own host's daemon.
 
+        ``connect_timeout``: how long a call waits for one shard's daemon (default ``shard_timeout_s``).
         ``shard_timeout_s``: a shard that does not answer within it is marked down;
         ``shard_retry_s``: how often a down shard is probed. ``seed``: the splits and
         insert placements reproduce.
@@ -84,8 +86,9 @@ class ShardedClient:
                                                  ("certificate_chain", certificate_chain),
                                                  ("private_key", private_key)) if v is not None}
         self._data_planes = data_planes
+        self._connect_timeout = shard_timeout_s if connect_timeout is None else connect_timeout
         self._options = {"host_id": host_id, "seed": seed, "shard_timeout_s": shard_timeout_s,
-                         "shard_retry_s": shard_retry_s}
+                         "shard_retry_s": shard_retry_s, "connect_timeout": connect_timeout}
         self.host_id = host_id or negotiation.local_host_id()
         self._rng = np.random.default_rng(seed)
         self._seed = seed
@@ -94,7 +97,8 @@ class ShardedClient:
         self.shard_set = ShardSet(addresses, self._shard_client, timeout_s=shard_timeout_s, retry_s=shard_retry_s)
 
     def _shard_client(self, address: str) -> Any:
-        return self._client_type(address, data_planes=self._data_planes, **self._security_args)
+        return self._client_type(address, data_planes=self._data_planes, connect_timeout=self._connect_timeout,
+                                 **self._security_args)
 
     def __reduce__(self):
         return _rebuild, (self._client_type, self._spec, self._security_args, self._data_planes, self._options)

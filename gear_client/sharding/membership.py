@@ -126,8 +126,9 @@ class Shard:
         return ShardState(self.index, self.address, self.host_id, self.up, self.failures, self.last_error)
 
     def server_info(self, timeout: float) -> pb.ServerInfoResponse:
-        """ServerInfo within ``timeout`` (grpc.RpcError otherwise)."""
-        return self.client._stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout, wait_for_ready=True)
+        """ServerInfo within ``timeout``, fail-fast: a daemon that is gone answers UNAVAILABLE at once."""
+        stub = self.client._connect()[1]
+        return stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout, wait_for_ready=False)
 
 
 class ShardSet:
