@@ -316,16 +316,25 @@ class Signature:
         return int(shape[0]) if shape else -1
 
     def check(self, prep: PreparedItem) -> None:
-        """ValueError naming the first column whose dtype or shape the signature does not allow."""
+        """ValueError naming the first leaf the signature does not allow.
+
+        As Reverb, the flattened leaves are compared, not the nest's containers (an item
+        ``[x]`` fits a signature ``TensorSpec``), and each leaf may match the spec as the
+        whole trajectory (``[T, *step]``) or as one step (``step``, every step alike).
+        """
+        if len(prep.specs) != len(self.leaves):
+            raise ValueError(f"item {prep.key} has {len(prep.specs)} flattened leaves ({leaf_paths(prep.structure)}) "
+                             f"but the signature has {len(self.leaves)} ({self.names()})")
         for c, ((dtype, step_shape, squeezed), length) in enumerate(zip(prep.specs, prep.lengths, strict=True)):
             leaf = self.leaves[c]
-            full = step_shape if squeezed else (length, *step_shape)
             if dtype != leaf.dtype:
                 raise ValueError(f"item {prep.key}: column '{leaf.name}' (#{c}) has dtype {dtype} but the signature "
                                  f"says {leaf.dtype}")
-            if not _shape_matches(full, leaf.shape):
-                raise ValueError(f"item {prep.key}: column '{leaf.name}' (#{c}) has shape {list(full)} but the "
-                                 f"signature says {_fmt_spec(leaf.shape)}")
+            whole = (1, *step_shape) if squeezed else (length, *step_shape)
+            if not (_shape_matches(whole, leaf.shape) or _shape_matches(step_shape, leaf.shape)):
+                raise ValueError(f"item {prep.key}: column '{leaf.name}' (#{c}) has shape {list(whole)} (steps of "
+                                 f"{list(step_shape)}) but the signature says {_fmt_spec(leaf.shape)}, as the "
+                                 f"whole trajectory or as one step")
 
 
 def layout_mismatch(prep: PreparedItem, specs: Sequence[ColumnSpec]) -> str | None:

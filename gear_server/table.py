@@ -203,7 +203,8 @@ class Table:
 
     def _check_fits(self, prep: PreparedItem) -> None:
         """ValueError unless the item matches the signature and the learned layout (lock held)."""
-        why = self._columns.structure_mismatch(prep)
+        # a signature compares flattened leaves (Reverb); a learned layout the whole structure
+        why = self._columns.structure_mismatch(prep) if self._signature is None else None
         if why is None and self._signature is not None:
             try:
                 self._signature.check(prep)
