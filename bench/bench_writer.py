@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import resource
 import sys
 import time
@@ -26,6 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GOAL_GBPS = 0.46
+# The client's allocator tuning is opt-in for users; the published figures have it on.
+os.environ.setdefault("GEAR_MALLOC_TUNING", "1")
 
 
 def _serve(port_queue: mp.Queue, stop_event: mp.Event) -> None:

@@ -25,7 +25,7 @@ usage: $0 [options]
   --config-dir DIR    where gear-server.toml goes (default $CONFIG_DIR)
   --unit-dir DIR      where the unit goes (default $UNIT_DIR)
   --user NAME         the service's system user and group (default $SERVICE_USER)
-  --python PATH       Python 3.10+ used to build the virtualenv (default \$PYTHON or python3)
+  --python PATH       Python 3.11+ used to build the virtualenv (default \$PYTHON or python3)
   --pip-arg ARG       pass ARG to pip (repeatable; e.g. --pip-arg --no-index --pip-arg --find-links=/wheels)
   --gear-server PATH  use this gear-server executable instead of building a virtualenv
   --generate-token    write a random bearer token to CONFIG_DIR/token (mode 0640, group USER)
@@ -82,9 +82,9 @@ fi
 
 # 2. The daemon in its own virtualenv (a copy of this checkout, not an editable install).
 if [[ -z "$GEAR_SERVER" ]]; then
-    command -v "$PYTHON" >/dev/null || die "$PYTHON not found: install Python 3.10 or newer"
-    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-        || die "$PYTHON is older than 3.10"
+    command -v "$PYTHON" >/dev/null || die "$PYTHON not found: install Python 3.11 or newer"
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || die "$PYTHON is older than 3.11"
     "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null \
         || die "$PYTHON cannot build virtualenvs: apt-get install python3-venv (Debian/Ubuntu)"
     say "building $PREFIX/venv"

@@ -108,6 +108,9 @@ class PortInfo:
     max_qp_wr: int = 4096
     max_cqe: int = 65536
     gids: tuple[GidEntry, ...] = field(default=(), compare=False)
+    max_qp_init_rd_atom: int = DEFAULT_MAX_RD_ATOMIC  # READs a QP of this device may issue at once
+    service_level: int = 0  # SL of this side's packets (lossless RoCE: the PFC priority's)
+    traffic_class: int = 0  # IP traffic class of this side's packets on RoCE (DSCP << 2)
 
     def endpoint(self, qp_nums: Iterable[int], psns: Iterable[int]) -> pb.RdmaEndpoint:
         """This side's half of the queue-pair exchange."""
@@ -115,7 +118,7 @@ class PortInfo:
             device=self.device, port=self.port, link_layer=self.link_layer, lid=self.lid,
             gid=self.gid, gid_index=self.gid_index, mtu=self.active_mtu,
             qp_nums=list(qp_nums), psns=list(psns),
-            max_rd_atomic=min(self.max_qp_rd_atom, DEFAULT_MAX_RD_ATOMIC), max_msg_size=self.max_msg_size,
+            max_rd_atomic=responder_depth(self), max_msg_size=self.max_msg_size,
         )
 
 
@@ -129,6 +132,8 @@ class AddressVector:
     dgid: bytes  # used when is_global
     sgid_index: int
     hop_limit: int = 64
+    sl: int = 0
+    traffic_class: int = 0
 
 
 def validate_endpoint(remote: pb.RdmaEndpoint, expected_qps: int | None = None) -> None:
@@ -163,14 +168,15 @@ def address_vector(local: PortInfo, remote: pb.RdmaEndpoint) -> AddressVector:
     if local.link_layer == LINK_ETHERNET:
         if local.gid_index < 0:
             raise ValueError(f"{local.device} port {local.port}: no usable RoCE GID")
-        return AddressVector(local.port, True, 0, remote_gid, local.gid_index)
+        return AddressVector(local.port, True, 0, remote_gid, local.gid_index, sl=local.service_level,
+                             traffic_class=local.traffic_class)
     other_subnet = (
         not is_zero_gid(remote_gid) and local.gid_index >= 0
         and subnet_prefix(remote_gid) != subnet_prefix(local.gid)
     )
-    if remote.lid == 0 or other_subnet:
-        return AddressVector(local.port, True, remote.lid, remote_gid, max(local.gid_index, 0))
-    return AddressVector(local.port, False, remote.lid, remote_gid, max(local.gid_index, 0))
+    is_global = remote.lid == 0 or other_subnet
+    return AddressVector(local.port, is_global, remote.lid, remote_gid, max(local.gid_index, 0),
+                         sl=local.service_level, traffic_class=local.traffic_class)
 
 
 def path_mtu(local: PortInfo, remote: pb.RdmaEndpoint) -> int:
@@ -179,9 +185,18 @@ def path_mtu(local: PortInfo, remote: pb.RdmaEndpoint) -> int:
 
 
 def rd_atomic(local: PortInfo, remote: pb.RdmaEndpoint) -> int:
-    """Outstanding READs per QP both sides support (requester's max_rd_atomic = responder's max_dest_rd_atomic)."""
+    """READs this side's QP keeps in flight as requester (its max_rd_atomic).
+
+    Bounded by what this device may initiate (max_qp_init_rd_atom) and by what
+    the peer serves at once (its advertised responder depth).
+    """
     theirs = remote.max_rd_atomic or 1
-    return max(1, min(local.max_qp_rd_atom, theirs, DEFAULT_MAX_RD_ATOMIC))
+    return max(1, min(local.max_qp_init_rd_atom, theirs, DEFAULT_MAX_RD_ATOMIC))
+
+
+def responder_depth(local: PortInfo) -> int:
+    """READs this side's QP serves at once as responder (max_dest_rd_atomic; what its endpoint advertises)."""
+    return max(1, min(local.max_qp_rd_atom, DEFAULT_MAX_RD_ATOMIC))
 
 
 def max_message(local: PortInfo, remote: pb.RdmaEndpoint) -> int:

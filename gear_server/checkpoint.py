@@ -175,6 +175,36 @@ def _hashable(value: Any) -> Any:
 
 # -------------------------------------------------------------------- files ----
 
+# Checkpoints hold every table's data: readable by the daemon's user only, whatever the
+# umask of the shell that started it (the systemd unit's UMask=0077 is not always there).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents with mode 0700 (existing ones are left as they are)."""
+    missing = []
+    for parent in (path, *path.parents):
+        if parent.is_dir():
+            break
+        missing.append(parent)
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
+            continue
+        os.chmod(directory, DIR_MODE)  # mkdir's mode is filtered by the umask
+
+
+def _create_private(path: Path):
+    """A new file opened for writing, mode 0600 from its creation on (never readable by others)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # an earlier file of that name kept its mode through O_TRUNC
+    return open(fd, "wb", buffering=0)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -248,11 +278,11 @@ class _Writer:
 
     def write(self, name: str, pieces: Iterable[memoryview | bytes]) -> None:
         path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         digest = hashlib.sha256()
         size = 0
         pending = flushing = None
-        with open(path, "wb", buffering=0) as f:
+        with _create_private(path) as f:
             for piece in pieces:
                 view = memoryview(piece).cast("B")
                 for start in range(0, len(view), _CHUNK):
@@ -306,6 +336,10 @@ class Checkpointer:
         self._lock = threading.Lock()  # one checkpoint at a time
         self.last_written_bytes = 0
 
+    def create_root(self) -> None:
+        """Create the checkpoint directory (and missing parents) 0700; OSError when it cannot be."""
+        make_private_dirs(self.root)
+
     # -- listing ----------------------------------------------------------------
 
     def _entries(self) -> list[tuple[int, Path]]:
@@ -342,14 +376,15 @@ class Checkpointer:
         """Write one checkpoint of ``states``; returns its final path. Old ones beyond ``keep`` go."""
         with self._lock:
             started = time.time()
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.create_root()
             name = f"ckpt-{self._next_seq():06d}-{_stamp(started)}"
             tmp = self.root / f"{_TMP_PREFIX}{name}"
             final = self.root / name
             pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
             writer = _Writer(tmp, pause)
             try:
-                tmp.mkdir()
+                tmp.mkdir(mode=DIR_MODE)
+                os.chmod(tmp, DIR_MODE)
                 tables = []
                 for index, table in enumerate(states):
                     tables.append(self._write_table(writer, index, table))
@@ -367,7 +402,7 @@ class Checkpointer:
                 os.rename(tmp, final)
                 _fsync_dir(self.root)
                 marker = {"manifest_sha256": hashlib.sha256(text).hexdigest(), "completed_unix": time.time()}
-                with open(final / COMPLETE, "wb") as f:
+                with _create_private(final / COMPLETE) as f:
                     f.write(json.dumps(marker).encode())
                     f.flush()
                     os.fsync(f.fileno())
@@ -527,7 +562,8 @@ class Checkpointer:
     def refuse(self, path: Path, reason: str) -> None:
         """Mark a checkpoint as refused (kept for inspection, never loaded or counted again)."""
         try:
-            (path / REFUSED).write_text(reason + "\n")
+            with _create_private(path / REFUSED) as f:
+                f.write((reason + "\n").encode())
         except OSError as exc:
             log.warning("cannot mark %s refused: %s", path, exc)
 

@@ -29,7 +29,8 @@ Schema (deploy/gear-server.example.toml shows every key)::
     preset = "queue"               # Table.queue: fifo sampler/remover, max_times_sampled 1, Queue(max_size)
     max_size = 1000
 
-Operations sections (``[checkpoint]``, ``[metrics]``, ``[auth]``, ``[logging]``) are
+Operations sections (``[checkpoint]``, ``[metrics]``, ``[auth]``, ``[logging]``,
+``[data_planes]``) are
 parsed by their own modules (``<module>.<Settings>.from_toml(section)``).
 
 Every mistake is a ``ConfigError`` (a ValueError) naming the key and the table.
@@ -61,6 +62,7 @@ OPERATION_SECTIONS: dict[str, tuple[str, str]] = {
     "metrics": ("gear_server.metrics", "MetricsSettings"),
     "auth": ("gear_server.auth", "AuthSettings"),
     "logging": ("gear_server.logs", "LoggingSettings"),
+    "data_planes": ("gear_server.data_planes.settings", "DataPlaneSettings"),
 }
 
 _SERVER_KEYS = {"bind_address", "port", "shm_dir", "instance_name", "max_workers", "tables"}
@@ -82,6 +84,7 @@ class DaemonSettings:
     metrics: Any = None
     auth: Any = None
     logging: Any = None
+    data_planes: Any = None
     source: str | None = None  # the file it came from, for log lines
     extra: dict[str, Any] = field(default_factory=dict)  # operations sections whose module is absent
 

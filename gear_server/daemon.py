@@ -23,7 +23,7 @@ import grpc
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
 from gear_contract.channel import CHANNEL_OPTIONS
-from gear_server import __version__
+from gear_server import __version__, sd_notify
 from gear_server.config import DaemonSettings
 from gear_server.operations import Operations
 from gear_server.service import ReplayService
@@ -112,7 +112,8 @@ class Daemon:
             from gear_server.data_planes.manager import DataPlaneManager
         except ImportError:
             return None
-        manager = DataPlaneManager(self.tables, self.host_id)
+        manager = DataPlaneManager(self.tables, self.host_id, settings=self.settings.data_planes)
+        log.info("%s", manager.report.line())
         self.ops.attach_data_planes(manager)
         return manager
 
@@ -148,7 +149,7 @@ class Daemon:
             if self._started:
                 raise RuntimeError("the daemon was already started")
             self._started = True
-        tune_allocator(mmap_threshold=64 << 20, trim_threshold=512 << 20)
+        tune_allocator(mmap_threshold=64 << 20, trim_threshold=512 << 20, opt_in=False)
         try:
             self.tables = self.build_tables()
             self.service = self.build_service()
@@ -236,7 +237,7 @@ class Daemon:
             if on_started is not None:
                 on_started(self)
             while not self._stop_requested.wait(0.5):
-                pass
+                sd_notify.keep_alive()  # WatchdogSec= in the unit: a wedged loop gets the service restarted
         finally:
             self.stop()
             for sig, handler in previous.items():

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import errno
 
+# Characters of a caller-chosen name (a table name) echoed in an error message. gRPC
+# carries the message in the trailing metadata, whose size is limited: a message
+# echoing a 10,000-character name would turn NOT_FOUND into RESOURCE_EXHAUSTED.
+MAX_ECHOED_NAME_CHARS = 128
+
+
+def shorten(name: str, limit: int = MAX_ECHOED_NAME_CHARS) -> str:
+    """``name`` as an error message may quote it: cut to ``limit`` characters, saying how long it was."""
+    if len(name) <= limit:
+        return name
+    return f"{name[:limit]}... ({len(name)} characters)"
+
 
 class GearServerError(Exception):
     """Base class of the daemon's own errors."""
@@ -17,7 +29,7 @@ class TableNotFoundError(GearServerError, KeyError):
         self.name = name
 
     def __str__(self) -> str:
-        return f"Table '{self.name}' not found"
+        return f"Table '{shorten(self.name)}' not found"
 
 
 class RateLimiterTimeout(GearServerError, TimeoutError):

@@ -26,6 +26,11 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Codes a client's own call can end with that say nothing is wrong with the daemon.
 _QUIET_CODES = frozenset({"OK", "CANCELLED"})
 _SERVER_FAULT_CODES = frozenset({"UNKNOWN", "INTERNAL", "DATA_LOSS", "UNIMPLEMENTED"})
+# Bounds of the failed-call summary: (method, code) pairs listed per line (the rest are
+# counted together) and characters of a method or code name (callers choose method names).
+MAX_SUMMARY_ENTRIES = 32
+MAX_NAME_CHARS = 64
+OTHER_CALLS = ("(other calls)", "any code")
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,17 @@ def configure_logging(settings: LoggingSettings | None = None) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def _bounded(name: str) -> str:
+    return name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "..."
+
+
 class ErrorSummary:
-    """Counts failed calls by (method, status code) and logs them as one line per interval."""
+    """Counts failed calls by (method, status code) and logs them as one line per interval.
+
+    Bounded whatever callers send: at most ``MAX_SUMMARY_ENTRIES`` distinct pairs
+    are kept per interval (later ones are counted as "(other calls)") and names
+    are cut at ``MAX_NAME_CHARS``, so the memory held and the line written stay small.
+    """
 
     def __init__(self, interval_s: float = 60.0, logger: logging.Logger | None = None) -> None:
         self._interval = interval_s
@@ -107,8 +121,11 @@ class ErrorSummary:
     def record(self, method: str, code: str) -> None:
         if code in _QUIET_CODES:
             return
+        key = (_bounded(method), _bounded(code))
         with self._lock:
-            self._counts[(method, code)] += 1
+            if key not in self._counts and len(self._counts) >= MAX_SUMMARY_ENTRIES:
+                key = OTHER_CALLS
+            self._counts[key] += 1
 
     def flush(self) -> str | None:
         """Log (and return) the summary of calls failed since the last flush; None if none."""

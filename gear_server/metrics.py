@@ -1,36 +1,87 @@
-"""Prometheus metrics without prometheus_client: counters, gauges, histograms, an HTTP endpoint.
+"""The daemon's Prometheus metrics (prometheus_client) and the ``/metrics`` endpoint.
 
-The hot paths (inserts, samples, selections) pay one dict lookup and one lock
-per update; values that already live elsewhere (table sizes, rate-limiter wait
-times) are read only when Prometheus scrapes, through callbacks. The endpoint
-serves the text exposition format (version 0.0.4) at ``/metrics`` from a small
-``http.server`` thread on the port the ``[metrics]`` config section names.
+Hot paths (inserts, samples, selections) update children looked up once per
+table; values that already live elsewhere (table sizes, rate-limiter waits,
+open data-plane sessions) are read only when Prometheus scrapes. Every label
+takes its values from a bounded set, so no caller (with or without the token)
+can add series: RPC methods the daemon does not serve count under
+``method="unknown"``, status codes are gRPC's, planes are the three data
+planes, tables are the daemon's own (at most ``MAX_TABLE_LABELS``, the rest
+under ``table="other"``). Series exist at zero from the start (every table,
+plane, checkpoint result and served method), so rates and alerts work before
+the first event. The endpoint listens on ``[metrics] bind`` (localhost by
+default; docs/SECURITY.md says what a scrape reveals).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
-import socket
+import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, start_http_server
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.negotiation import PLANES
+from gear_server import __version__
 from gear_server.config import known_keys
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets in seconds: 50 us .. 10 s (selection is micro- to milliseconds,
 # transfers of large batches up to seconds).
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
+DEFAULT_BIND = "127.0.0.1"
+UNKNOWN_METHOD = "unknown"
+OTHER_TABLE = "other"
+UNKNOWN_PLANE = "unknown"
+MAX_TABLE_LABELS = 256  # distinct table label values; later tables count under "other"
+STATUS_CODES = frozenset(code.name for code in grpc.StatusCode)
+CHECKPOINT_RESULTS = ("ok", "failed")
+# The standard services the daemon serves beside its own (health checks, reflection).
+STANDARD_METHODS = (
+    "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+)
+
+
+def _served_methods() -> dict[str, str]:
+    """Full method path -> its label (the method's short name) for every method the daemon serves."""
+    paths = [f"/{service.full_name}/{method.name}"
+             for service in pb.DESCRIPTOR.services_by_name.values() for method in service.methods]
+    return {path: path.rsplit("/", 1)[-1] for path in (*paths, *STANDARD_METHODS)}
+
+
+METHOD_LABELS = _served_methods()
+_LABEL_OF = {**METHOD_LABELS, **{label: label for label in METHOD_LABELS.values()}}
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label of an RPC given by full path or short name: ``unknown`` for any other name."""
+    return _LABEL_OF.get(method, UNKNOWN_METHOD)
+
+
+def code_label(code: grpc.StatusCode | str | None) -> str:
+    """The ``code`` label: a gRPC status code name (anything else counts as UNKNOWN)."""
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return code if code in STATUS_CODES else "UNKNOWN"
+
+
+def plane_label(plane: str) -> str:
+    return plane if plane in PLANES else UNKNOWN_PLANE
 
 
 @dataclass(frozen=True)
@@ -38,7 +89,7 @@ class MetricsSettings:
     """The ``[metrics]`` section: where the Prometheus endpoint listens (off without the section)."""
 
     enabled: bool = False
-    bind: str = "0.0.0.0"
+    bind: str = DEFAULT_BIND  # localhost: a scrape answers without the token (docs/SECURITY.md)
     port: int = 9580  # 0: any free port (logged at start)
 
     @classmethod
@@ -56,341 +107,135 @@ class MetricsSettings:
             raise ValueError(f"[metrics] bind must be a host address, got {bind!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ValueError(f"[metrics] port must be an integer in 0..65535, got {port!r}")
-        return cls(enabled=enabled, bind=bind, port=port)
+        return cls(enabled=enabled, bind=bind.strip("[]"), port=port)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Table(Protocol):
+    """What the metrics read from a table: its info() (sizes, rate-limiter statistics)."""
 
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
-
-
-class _Value:
-    """One labelled series of a counter or gauge."""
-
-    __slots__ = ("_lock", "value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self.value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self.value -= amount
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-
-class _HistogramValue:
-    """One labelled series of a histogram: cumulative buckets are computed at scrape time."""
-
-    __slots__ = ("_lock", "_bounds", "counts", "sum", "count")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._lock = threading.Lock()
-        self._bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # last: above every bound
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self._bounds, value)
-        with self._lock:
-            self.counts[index] += 1
-            self.sum += value
-            self.count += 1
-
-    def time(self) -> _Timer:
-        """``with hist.labels(...).time(): ...`` observes the block's duration."""
-        return _Timer(self)
-
-    def snapshot(self) -> tuple[list[int], float, int]:
-        with self._lock:
-            return list(self.counts), self.sum, self.count
-
-
-class _Timer:
-    __slots__ = ("_hist", "_start")
-
-    def __init__(self, hist: _HistogramValue) -> None:
-        self._hist = hist
-
-    def __enter__(self) -> _Timer:
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hist.observe(time.perf_counter() - self._start)
-
-
-class _Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help
-        self.labelnames = tuple(labelnames)
-        self._series: dict[tuple[str, ...], Any] = {}
-        self._lock = threading.Lock()
-
-    def _new(self):
-        raise NotImplementedError
-
-    def labels(self, *values: str):
-        """The series for these label values (created on first use)."""
-        series = self._series.get(values)
-        if series is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            with self._lock:
-                series = self._series.setdefault(values, self._new())
-        return series
-
-    def remove(self, *values: str) -> None:
-        with self._lock:
-            self._series.pop(values, None)
-
-    def _items(self) -> list[tuple[tuple[str, ...], Any]]:
-        with self._lock:
-            return list(self._series.items())
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} {self.kind}"
-        for values, series in self._items():
-            yield f"{self.name}{_labels(self.labelnames, values)} {_number(series.value)}"
-
-
-class Counter(_Metric):
-    """Monotonic count (names end in ``_total``)."""
-
-    kind = "counter"
-
-    def _new(self) -> _Value:
-        return _Value()
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
-
-
-class Gauge(_Metric):
-    """A value that goes up and down."""
-
-    kind = "gauge"
-
-    def _new(self) -> _Value:
-        return _Value()
-
-    def set(self, value: float) -> None:
-        self.labels().set(value)
-
-
-class Histogram(_Metric):
-    """Observations counted into fixed buckets (seconds for latencies)."""
-
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = (),
-                 buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        super().__init__(name, help, labelnames)
-        self.buckets = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
-
-    def _new(self) -> _HistogramValue:
-        return _HistogramValue(self.buckets)
-
-    def observe(self, value: float) -> None:
-        self.labels().observe(value)
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        for values, series in self._items():
-            counts, total, count = series.snapshot()
-            cumulative = 0
-            for bound, n in zip((*self.buckets, math.inf), counts, strict=True):
-                cumulative += n
-                le = f'le="{_number(bound)}"'
-                yield f"{self.name}_bucket{_labels(self.labelnames, values, le)} {cumulative}"
-            yield f"{self.name}_sum{_labels(self.labelnames, values)} {_number(total)}"
-            yield f"{self.name}_count{_labels(self.labelnames, values)} {count}"
-
-
-class Callback(_Metric):
-    """Series read at scrape time: ``fn() -> iterable of (label values, value)``."""
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str], kind: str,
-                 fn: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> None:
-        super().__init__(name, help, labelnames)
-        self.kind = kind
-        self._fn = fn
-
-    def render(self) -> Iterable[str]:
-        try:
-            rows = list(self._fn())
-        except Exception as exc:  # a failing callback must not break the whole scrape
-            log.warning("metrics callback %s failed: %s", self.name, exc)
-            rows = []
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} {self.kind}"
-        for values, value in rows:
-            values = (values,) if isinstance(values, str) else tuple(values)
-            yield f"{self.name}{_labels(self.labelnames, values)} {_number(value)}"
-
-
-class Registry:
-    """Named metrics rendered together in the text exposition format."""
-
-    def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
-        self._lock = threading.Lock()
-
-    def add(self, metric: _Metric) -> _Metric:
-        with self._lock:
-            if metric.name in self._metrics:
-                raise ValueError(f"metric {metric.name} registered twice")
-            self._metrics[metric.name] = metric
-        return metric
-
-    def counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
-        return self.add(Counter(name, help, labelnames))  # type: ignore[return-value]
-
-    def gauge(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Gauge:
-        return self.add(Gauge(name, help, labelnames))  # type: ignore[return-value]
-
-    def histogram(self, name: str, help: str, labelnames: Sequence[str] = (),
-                  buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-        return self.add(Histogram(name, help, labelnames, buckets))  # type: ignore[return-value]
-
-    def callback(self, name: str, help: str, labelnames: Sequence[str], kind: str,
-                 fn: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> Callback:
-        return self.add(Callback(name, help, labelnames, kind, fn))  # type: ignore[return-value]
-
-    def remove(self, name: str) -> None:
-        with self._lock:
-            self._metrics.pop(name, None)
-
-    def render(self) -> str:
-        with self._lock:
-            metrics = list(self._metrics.values())
-        lines: list[str] = []
-        for metric in metrics:
-            lines.extend(metric.render())
-        return "\n".join(lines) + "\n"
+    def info(self) -> pb.TableInfo: ...
 
 
 class _TableSeries:
-    """The hot-path series of one table, looked up once (a dict get per event instead of six)."""
+    """The hot-path children of one table label, looked up once."""
 
-    __slots__ = ("inserts", "bytes_in", "samples", "bytes_inline", "selection", "transfer_inline")
+    __slots__ = ("label", "inserts", "bytes_in", "samples", "bytes_out", "selection", "transfer")
 
-    def __init__(self, inserts, bytes_in, samples, bytes_inline, selection, transfer_inline) -> None:
-        self.inserts, self.bytes_in, self.samples = inserts, bytes_in, samples
-        self.bytes_inline, self.selection, self.transfer_inline = bytes_inline, selection, transfer_inline
+    def __init__(self, metrics: ServerMetrics, table: str) -> None:
+        self.label = table
+        self.inserts = metrics.inserts.labels(table)
+        self.bytes_in = metrics.bytes_in.labels(table)
+        self.samples = metrics.samples.labels(table)
+        self.bytes_out = {plane: metrics.bytes_out.labels(table, plane) for plane in PLANES}
+        self.selection = metrics.selection.labels(table)
+        self.transfer = {plane: metrics.transfer.labels(table, plane) for plane in PLANES}
 
 
 class ServerMetrics:
-    """The daemon's metrics, with one cheap method per hot-path event."""
+    """The daemon's metrics, with one cheap method per event; label values are bounded here."""
 
-    def __init__(self, tables: Callable[[], Mapping[str, Any]] | None = None) -> None:
+    def __init__(self, tables: Callable[[], Mapping[str, _Table]] | None = None) -> None:
         """``tables`` returns the live {name: Table} (sizes and rate-limiter waits are read from it)."""
-        r = self.registry = Registry()
+        r = self.registry = CollectorRegistry(auto_describe=True)
         self._tables = tables
+        self._sessions: Callable[[], Mapping[str, int]] | None = None
         self._per_table: dict[str, _TableSeries] = {}
-        self.inserts = r.counter("gear_inserts_total", "Items inserted.", ["table"])
-        self.samples = r.counter("gear_samples_total", "Items sampled (every data plane).", ["table"])
-        self.bytes_in = r.counter("gear_bytes_received_total", "Item bytes received by inserts.", ["table"])
-        self.bytes_out = r.counter("gear_bytes_sent_total",
-                                   "Item bytes sent by inline samples or handed out by reference (shm, rdma).",
-                                   ["table", "plane"])
-        self.selection = r.histogram("gear_selection_latency_seconds",
-                                     "Time to select a batch of items (rate limiter wait excluded where known).",
-                                     ["table"])
-        self.transfer = r.histogram("gear_transfer_latency_seconds",
-                                    "Time to move a sampled batch out of the table (inline: read and encode).",
-                                    ["table", "plane"])
-        self.sessions_opened = r.counter("gear_data_plane_sessions_opened_total",
-                                         "Data-plane negotiations answered, by the kind agreed.", ["kind"])
-        self.rpcs = r.counter("gear_rpcs_total", "RPCs finished, by method and status code.", ["method", "code"])
-        self.auth_denied = r.counter("gear_auth_denied_total", "Calls refused for a missing or wrong token.",
-                                     ["method"])
-        self.checkpoints = r.counter("gear_checkpoints_total", "Checkpoints attempted, by result.", ["result"])
-        self.checkpoint_seconds = r.histogram("gear_checkpoint_duration_seconds", "Time to write a checkpoint.",
-                                              buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900))
-        self.checkpoint_bytes = r.gauge("gear_last_checkpoint_bytes", "Size of the last checkpoint written.")
-        self.checkpoint_time = r.gauge("gear_last_checkpoint_timestamp_seconds",
-                                       "Unix time of the last checkpoint written.")
-        self.started = r.gauge("gear_start_time_seconds", "Unix time the daemon started.")
-        self.started.set(time.time())
-        r.callback("gear_table_size", "Items in the table.", ["table"], "gauge",
-                   lambda: ((name, info.current_size) for name, info in self._infos()))
-        r.callback("gear_table_max_size", "Table capacity in items.", ["table"], "gauge",
-                   lambda: ((name, info.max_size) for name, info in self._infos()))
-        r.callback("gear_table_episodes", "Episodes with items in the table.", ["table"], "gauge",
-                   lambda: ((name, info.num_episodes) for name, info in self._infos()))
-        r.callback("gear_rate_limiter_wait_seconds_total",
-                   "Time calls spent blocked by the rate limiter (completed and still pending).",
-                   ["table", "op"], "counter", self._waits)
-        r.callback("gear_rate_limiter_limited_total", "Calls that had to wait for the rate limiter.",
-                   ["table", "op"], "counter", self._limited)
-        r.callback("gear_items_deleted_total", "Items removed (remover, max_times_sampled, deletes).",
-                   ["table"], "counter",
-                   lambda: ((name, info.rate_limiter_info.num_deletes) for name, info in self._infos()))
+        self._lock = threading.Lock()
+        r.register(_ScrapeTimeCollector(self))  # first: it also creates the series of new tables at zero
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Info("gear_build", "The daemon's build.", registry=r).info(
+            {"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
+        self.inserts = Counter("gear_inserts_total", "Items inserted.", ["table"], registry=r)
+        self.samples = Counter("gear_samples_total", "Items sampled (every data plane).", ["table"], registry=r)
+        self.bytes_in = Counter("gear_bytes_received_total", "Item bytes received by inserts.", ["table"],
+                                registry=r)
+        self.bytes_out = Counter("gear_bytes_sent_total",
+                                 "Item bytes sent by inline samples or handed out by reference (shm, rdma).",
+                                 ["table", "plane"], registry=r)
+        self.selection = Histogram("gear_selection_latency_seconds",
+                                   "Time to select a batch of items, rate limiter wait included (the whole "
+                                   "table.sample call).", ["table"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer = Histogram("gear_transfer_latency_seconds",
+                                  "Time to move a sampled batch out of the table (inline: read and encode).",
+                                  ["table", "plane"], buckets=LATENCY_BUCKETS, registry=r)
+        self.sessions_opened = Counter("gear_data_plane_sessions_opened_total",
+                                       "Data-plane negotiations answered, by the plane agreed.", ["plane"],
+                                       registry=r)
+        self.rpcs = Counter("gear_rpcs_total", "RPCs finished, by method (unknown: a method the daemon does not "
+                            "serve) and status code.", ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram("gear_rpc_duration_seconds", "Time from a call's start to its end (streams: "
+                                     "the whole stream).", ["method"], registry=r,
+                                     buckets=(1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, 60.0, 600.0))
+        self.denied = Counter("gear_auth_denied_total", "Calls refused for a missing or wrong token, by method.",
+                              ["method"], registry=r)
+        self.checkpoints = Counter("gear_checkpoints_total", "Checkpoints attempted, by result.", ["result"],
+                                   registry=r)
+        self.checkpoint_seconds = Histogram("gear_checkpoint_duration_seconds", "Time to write a checkpoint.",
+                                            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900), registry=r)
+        self.checkpoint_bytes = Gauge("gear_last_checkpoint_bytes", "Size of the last checkpoint written.",
+                                      registry=r)
+        self.checkpoint_time = Gauge("gear_last_checkpoint_timestamp_seconds",
+                                     "Unix time of the last checkpoint written.", registry=r)
+        Gauge("gear_start_time_seconds", "Unix time the daemon started.", registry=r).set(time.time())
+        # Series at zero: every plane, checkpoint result and served method.
+        for plane in PLANES:
+            self.sessions_opened.labels(plane)
+        for result in CHECKPOINT_RESULTS:
+            self.checkpoints.labels(result)
+        for label in sorted(set(METHOD_LABELS.values())):
+            self.rpcs.labels(label, "OK")
+            self.denied.labels(label)
+        self.denied.labels(UNKNOWN_METHOD)
+
+    # -- label bounds -------------------------------------------------------------
+
+    def _series(self, table: str) -> _TableSeries:
+        """The children of ``table`` (created at zero on first use; past MAX_TABLE_LABELS: "other")."""
+        series = self._per_table.get(table)
+        if series is None:
+            with self._lock:
+                series = self._per_table.get(table)
+                if series is None:
+                    if len(self._per_table) >= MAX_TABLE_LABELS:
+                        series = self._per_table.get(OTHER_TABLE) or _TableSeries(self, OTHER_TABLE)
+                        self._per_table.setdefault(OTHER_TABLE, series)
+                    else:
+                        series = self._per_table[table] = _TableSeries(self, table)
+        return series
 
     # -- hot path -------------------------------------------------------------
 
     def inserted(self, table: str, items: int, nbytes: int) -> None:
-        self.inserts.labels(table).inc(items)
-        self.bytes_in.labels(table).inc(nbytes)
+        series = self._series(table)
+        series.inserts.inc(items)
+        series.bytes_in.inc(nbytes)
 
     def sampled(self, table: str, items: int, nbytes: int, plane: str = "inline") -> None:
-        self.samples.labels(table).inc(items)
-        self.bytes_out.labels(table, plane).inc(nbytes)
-
-    def _table_series(self, table: str) -> _TableSeries:
-        series = self._per_table.get(table)
-        if series is None:
-            series = self._per_table.setdefault(table, _TableSeries(
-                self.inserts.labels(table), self.bytes_in.labels(table), self.samples.labels(table),
-                self.bytes_out.labels(table, "inline"), self.selection.labels(table),
-                self.transfer.labels(table, "inline")))
-        return series
+        series = self._series(table)
+        series.samples.inc(items)
+        bytes_out = series.bytes_out.get(plane)
+        if bytes_out is None:
+            bytes_out = self.bytes_out.labels(series.label, UNKNOWN_PLANE)
+        bytes_out.inc(nbytes)
 
     def item_inserted(self, table: str, columns: Sequence[Any]) -> None:
         """One item in (its bytes counted from its columns: arrays or lists of chunk slices)."""
         nbytes = 0
         for column in columns:
             nbytes += column.nbytes if hasattr(column, "nbytes") else sum(part.nbytes for part in column)
-        series = self._per_table.get(table) or self._table_series(table)
+        series = self._per_table.get(table) or self._series(table)
         series.inserts.inc()
         series.bytes_in.inc(nbytes)
 
     def sample_served(self, table: str, items: int, nbytes: int, select_s: float, transfer_s: float) -> None:
         """One inline SampleResponse: selection and read+encode times, items and bytes sent."""
-        series = self._per_table.get(table) or self._table_series(table)
+        series = self._per_table.get(table) or self._series(table)
         series.samples.inc(items)
-        series.bytes_inline.inc(nbytes)
+        series.bytes_out["inline"].inc(nbytes)
         series.selection.observe(select_s)
-        series.transfer_inline.observe(transfer_s)
+        series.transfer["inline"].observe(transfer_s)
 
     def plane_selected(self, table: Any, plane: str, selection: Any, select_s: float) -> None:
         """One data-plane Select: items handed out by reference; bytes are what the learner may read."""
@@ -400,28 +245,41 @@ class ServerMetrics:
         if layout is not None and items:
             lengths = selection.lengths.reshape(items, -1).sum(axis=0)
             nbytes = int(sum(int(n) * c.step_bytes for n, c in zip(lengths, layout.columns, strict=False)))
-        self.samples.labels(table.name).inc(items)
-        self.bytes_out.labels(table.name, plane).inc(nbytes)
-        self.selection.labels(table.name).observe(select_s)
+        self.sampled(table.name, items, nbytes, plane)
+        self._series(table.name).selection.observe(select_s)
 
-    def plane_opened(self, kind: str) -> None:
-        self.sessions_opened.labels(kind).inc()
+    def plane_opened(self, plane: str) -> None:
+        self.sessions_opened.labels(plane_label(plane)).inc()
 
     def watch_sessions(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        """Report ``counts()`` (open data-plane sessions by kind) at every scrape."""
-        self.registry.remove("gear_data_plane_sessions")
-        self.registry.callback(
-            "gear_data_plane_sessions", "Open data-plane sessions by kind.", ["kind"], "gauge",
-            lambda: ((kind, n) for kind, n in sorted(counts().items())))
+        """Report ``counts()`` (open data-plane sessions by plane) at every scrape."""
+        self._sessions = counts
 
     def observe_selection(self, table: str, seconds: float) -> None:
-        self.selection.labels(table).observe(seconds)
+        self._series(table).selection.observe(seconds)
 
     def observe_transfer(self, table: str, plane: str, seconds: float) -> None:
-        self.transfer.labels(table, plane).observe(seconds)
+        transfer = self._series(table).transfer.get(plane)
+        if transfer is not None:
+            transfer.observe(seconds)
+
+    # -- calls ------------------------------------------------------------------
+
+    def observe_rpc(self, method: str, code: grpc.StatusCode | str | None, seconds: float | None = None) -> None:
+        """One finished RPC (method by full path or short name; unknown methods count as ``unknown``)."""
+        label = method_label(method)
+        self.rpcs.labels(label, code_label(code)).inc()
+        if seconds is not None:
+            self.rpc_seconds.labels(label).observe(seconds)
 
     def rpc_finished(self, method: str, code: str) -> None:
-        self.rpcs.labels(method, code).inc()
+        self.observe_rpc(method, code)
+
+    def auth_denied(self, method: str) -> None:
+        """One call refused by the token check."""
+        self.denied.labels(method_label(method)).inc()
+
+    # -- checkpoints --------------------------------------------------------------
 
     def checkpoint_written(self, seconds: float, nbytes: int) -> None:
         self.checkpoints.labels("ok").inc()
@@ -434,81 +292,81 @@ class ServerMetrics:
 
     # -- scrape-time reads ----------------------------------------------------
 
-    def _infos(self):
+    def infos(self) -> list[tuple[str, pb.TableInfo]]:
+        """(name, info) of every live table (a closed one is skipped this scrape)."""
         if self._tables is None:
             return []
         out = []
         for name, table in list(self._tables().items()):
             try:
                 out.append((name, table.info()))
-            except Exception as exc:  # a closed table: skip it this scrape
+            except Exception as exc:  # noqa: BLE001 (a closed table: skip it this scrape)
                 log.debug("no info for table %s: %s", name, exc)
         return out
 
-    def _waits(self):
-        for name, info in self._infos():
+    def session_counts(self) -> Mapping[str, int]:
+        return self._sessions() if self._sessions is not None else {}
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (what ``/metrics`` answers)."""
+        return generate_latest(self.registry)
+
+
+class _ScrapeTimeCollector(Collector):
+    """Values read when Prometheus scrapes: table sizes, rate-limiter statistics, open sessions.
+
+    It also creates the hot-path series of tables that appeared since the last
+    scrape, so a new table's counters show at zero.
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # read live at every scrape
+
+    def collect(self) -> Iterable[Metric]:
+        m = self._metrics
+        infos = m.infos()[:MAX_TABLE_LABELS]
+        for name, _ in infos:
+            m._series(name)
+        size = GaugeMetricFamily("gear_table_size", "Items in the table.", labels=["table"])
+        capacity = GaugeMetricFamily("gear_table_max_size", "Table capacity in items.", labels=["table"])
+        episodes = GaugeMetricFamily("gear_table_episodes", "Episodes with items in the table.", labels=["table"])
+        waits = CounterMetricFamily("gear_rate_limiter_wait_seconds",
+                                    "Time calls spent blocked by the rate limiter (completed and still pending).",
+                                    labels=["table", "op"])
+        limited = CounterMetricFamily("gear_rate_limiter_limited", "Calls that had to wait for the rate limiter.",
+                                      labels=["table", "op"])
+        deleted = CounterMetricFamily("gear_items_deleted", "Items removed (remover, max_times_sampled, deletes).",
+                                      labels=["table"])
+        for name, info in infos:
             rl = info.rate_limiter_info
+            size.add_metric([name], info.current_size)
+            capacity.add_metric([name], info.max_size)
+            episodes.add_metric([name], info.num_episodes)
+            deleted.add_metric([name], rl.num_deletes)
             for op, stats in (("insert", rl.insert_stats), ("sample", rl.sample_stats)):
-                yield (name, op), stats.completed_wait_time_s + stats.pending_wait_time_s
-
-    def _limited(self):
-        for name, info in self._infos():
-            rl = info.rate_limiter_info
-            yield (name, "insert"), rl.insert_stats.limited
-            yield (name, "sample"), rl.sample_stats.limited
-
-    def render(self) -> str:
-        return self.registry.render()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            try:
-                body, status, ctype = self.server.render().encode(), 200, CONTENT_TYPE
-            except Exception as exc:  # noqa: BLE001 (answer the scrape, keep serving)
-                log.exception("rendering metrics failed")
-                body, status, ctype = f"metrics failed: {exc}\n".encode(), 500, "text/plain"
-        elif path == "/":
-            body, status, ctype = b"gear-server: metrics at /metrics\n", 200, "text/plain"
-        else:
-            body, status, ctype = b"not found\n", 404, "text/plain"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args) -> None:  # scrapes are not events worth a log line
-        pass
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], render: Callable[[], str]) -> None:
-        self.render = render
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+                waits.add_metric([name, op], stats.completed_wait_time_s + stats.pending_wait_time_s)
+                limited.add_metric([name, op], stats.limited)
+        sessions = GaugeMetricFamily("gear_data_plane_sessions", "Open data-plane sessions by plane.",
+                                     labels=["plane"])
+        counts = dict(m.session_counts())
+        for plane in PLANES:
+            sessions.add_metric([plane], counts.get(plane, 0))
+        return [size, capacity, episodes, waits, limited, deleted, sessions]
 
 
 class MetricsServer:
-    """The ``/metrics`` endpoint in a background thread; ``port`` is the bound port."""
+    """The ``/metrics`` endpoint (prometheus_client's HTTP server) in a background thread."""
 
-    def __init__(self, render: Callable[[], str], bind: str = "0.0.0.0", port: int = 0) -> None:
+    def __init__(self, registry: CollectorRegistry, bind: str = DEFAULT_BIND, port: int = 0) -> None:
         try:
-            self._http = _HTTPServer((bind, port), render)
+            self._http, self._thread = start_http_server(port, addr=bind.strip("[]"), registry=registry)
         except OSError as exc:
             raise OSError(exc.errno, f"metrics endpoint cannot listen on {bind}:{port}: {exc.strerror}") from exc
         self.port = self._http.server_address[1]
         self.bind = bind
-        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="gear-metrics-http", daemon=True)
-        self._thread.start()
 
     def close(self) -> None:
         self._http.shutdown()
@@ -520,7 +378,7 @@ class RpcObserver(grpc.ServerInterceptor):
     """Counts every finished RPC by method and status code (and hands errors to ``on_error``).
 
     Placed first among the server's interceptors so it also sees calls the
-    token check refused.
+    token check refused. Labels are bounded by ``ServerMetrics.observe_rpc``.
     """
 
     def __init__(self, metrics: ServerMetrics | None,
@@ -530,14 +388,14 @@ class RpcObserver(grpc.ServerInterceptor):
         # Wrapped handlers by the identity of the handler they wrap (one per method): built once.
         self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def _finish(self, method: str, context, unset: str) -> None:
+    def _finish(self, method: str, context, unset: str, started: float) -> None:
         """Record the call's status code; ``unset`` names it when the servicer set none."""
         code = context.code() if hasattr(context, "code") else None
         name = unset if code is None else code.name
         if self._metrics is not None:
-            self._metrics.rpc_finished(method, name)
+            self._metrics.observe_rpc(method, name, time.perf_counter() - started)
         if name != "OK" and self._on_error is not None:
-            self._on_error(method, name)
+            self._on_error(method_label(method), name)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -546,7 +404,10 @@ class RpcObserver(grpc.ServerInterceptor):
         entry = self._wrapped.get(id(handler))
         if entry is not None and entry[0] is handler:
             return entry[1]
-        wrapped = self._wrap(handler, handler_call_details.method.rsplit("/", 1)[-1])
+        label = method_label(handler_call_details.method)
+        wrapped = self._wrap(handler, label)
+        if label == UNKNOWN_METHOD:  # names callers make up are not worth a cache entry
+            return wrapped
         if len(self._wrapped) > 4096:  # handlers made per call (not ours): keep the cache bounded
             self._wrapped.clear()
         self._wrapped[id(handler)] = (handler, wrapped)
@@ -559,15 +420,16 @@ class RpcObserver(grpc.ServerInterceptor):
             inner = handler.stream_stream or handler.unary_stream
 
             def streaming(request, context):
+                started = time.perf_counter()
                 try:
                     yield from inner(request, context)
                 except GeneratorExit:  # the client went away mid-stream
-                    finish(method, context, "CANCELLED")
+                    finish(method, context, "CANCELLED", started)
                     raise
                 except BaseException:
-                    finish(method, context, "UNKNOWN")
+                    finish(method, context, "UNKNOWN", started)
                     raise
-                finish(method, context, "OK")
+                finish(method, context, "OK", started)
 
             make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
                     else grpc.unary_stream_rpc_method_handler)
@@ -576,12 +438,13 @@ class RpcObserver(grpc.ServerInterceptor):
             inner = handler.stream_unary or handler.unary_unary
 
             def unary(request, context):
+                started = time.perf_counter()
                 try:
                     response = inner(request, context)
                 except BaseException:
-                    finish(method, context, "UNKNOWN")
+                    finish(method, context, "UNKNOWN", started)
                     raise
-                finish(method, context, "OK")
+                finish(method, context, "OK", started)
                 return response
 
             make = (grpc.stream_unary_rpc_method_handler if handler.request_streaming

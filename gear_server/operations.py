@@ -108,7 +108,7 @@ class Operations:
         if self.checkpointer is None:
             return tables
         try:  # a directory that cannot be written is a configuration error: stop now, not at the first checkpoint
-            self.checkpointer.root.mkdir(parents=True, exist_ok=True)
+            self.checkpointer.create_root()  # 0700, whatever the umask
         except OSError as exc:
             raise OSError(exc.errno, f"checkpoint dir {self.checkpointer.root}: {exc.strerror}") from exc
         if not cs.restore:
@@ -167,12 +167,8 @@ class Operations:
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
         """RPC counting first (it sees refused calls too), then the token check."""
-        denied = self.metrics.auth_denied
-
-        def on_denied(method: str) -> None:
-            denied.labels(method.rsplit("/", 1)[-1]).inc()
-
-        return [RpcObserver(self.metrics, on_error=self.errors.record), *self.auth.interceptors(on_denied)]
+        return [RpcObserver(self.metrics, on_error=self.errors.record),
+                *self.auth.interceptors(self.metrics.auth_denied)]
 
     def add_services(self, server: grpc.Server) -> None:
         """Health (NOT_SERVING until ``started``) and reflection."""
@@ -186,7 +182,7 @@ class Operations:
         self._tables = daemon.tables
         if self.metrics_settings.enabled:
             ms = self.metrics_settings
-            self.metrics_server = MetricsServer(self.metrics.render, ms.bind, ms.port)
+            self.metrics_server = MetricsServer(self.metrics.registry, ms.bind, ms.port)
             log.info("metrics at http://%s:%d/metrics", ms.bind, self.metrics_server.port)
         log.info("security: %s", self.auth.describe())
         cs = self.checkpoint_settings

@@ -24,7 +24,9 @@ import numpy as np
 
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
-from gear_server.data_planes.sessions import SessionNotFoundError, SessionRegistry
+from gear_server.data_planes.offers import gpu_off_reason, plane_report
+from gear_server.data_planes.sessions import SessionNotFoundError, SessionRegistry, peer_identity
+from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
 
 log = logging.getLogger(__name__)
@@ -39,16 +41,23 @@ class DataPlaneManager:
 
     def __init__(self, tables: Mapping[str, Any], host_id: str, *, rdma: Any = "auto",
                  lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 reap_interval_s: float | None = None):
+                 reap_interval_s: float | None = None, settings: DataPlaneSettings | None = None):
         self.tables = tables  # the daemon's dict: tables added later are seen
         self.host_id = host_id
+        settings = settings or DataPlaneSettings()
+        rdma_off = None
         if rdma == "auto":
             from gear_server.data_planes.rdma_server import RdmaServer
 
-            rdma = RdmaServer.probe()
+            rdma, rdma_off = RdmaServer.open(settings)
+        elif rdma is None:
+            rdma_off = "not attached"
         self.rdma = rdma
+        self.report = plane_report(rdma_off, gpu_off_reason())  # the daemon logs report.line() at start
         self.metrics: Any = None  # gear_server.metrics.ServerMetrics, set by the daemon
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
+                                        max_sessions=settings.max_sessions,
+                                        max_sessions_per_peer=settings.max_sessions_per_peer,
                                         on_close=self._on_session_closed)
         self._stop = threading.Event()
         interval = reap_interval_s if reap_interval_s is not None else min(1.0, lease_timeout_s / 4)
@@ -129,7 +138,7 @@ class DataPlaneManager:
                 log.warning("RDMA connection for table '%s' failed, answering inline: %s", table.name, exc)
                 return pb.OpenDataPlaneResponse(kind=negotiation.INLINE, **self._timeouts())
         try:
-            session = self.sessions.create(table, kind, resources)
+            session = self.sessions.create(table, kind, resources, peer=peer_identity(context))
         except OverflowError as exc:
             if resources is not None:
                 self.rdma.close_session(resources)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from gear_contract import addressing, verbs
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
+from gear_server.data_planes.settings import DataPlaneSettings
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,31 @@ class RdmaServer:
     @classmethod
     def probe(cls, device: str | None = None) -> RdmaServer | None:
         """An RdmaServer on the first active port (of ``device``), or None without pyverbs or a device."""
-        info = verbs.probe(device)
-        if info is None:
-            return None
+        return cls.open(DataPlaneSettings(rdma_device=device))[0]
+
+    @classmethod
+    def open(cls, settings: DataPlaneSettings) -> tuple[RdmaServer | None, str | None]:
+        """(an RdmaServer on the configured or first active port, None) or (None, why RDMA is off)."""
+        if not settings.rdma:
+            return None, "turned off ([data_planes] rdma = false)"
+        reason = verbs.unavailable_reason()
+        if reason is not None:
+            return None, reason
         try:
-            return cls(info)
+            info = verbs.probe(settings.rdma_device, settings.rdma_port, settings.rdma_gid_index,
+                               settings.rdma_service_level, settings.rdma_traffic_class)
+        except ValueError as exc:  # a GEAR_RDMA_* variable out of range
+            return None, f"bad RDMA setting: {exc}"
+        if info is None:
+            devices = verbs.device_names()
+            if not devices:
+                return None, "no RDMA device"
+            wanted = settings.rdma_device or ", ".join(devices)
+            return None, f"no active port on {wanted}"
+        try:
+            return cls(info), None
         except (verbs.VerbsError, verbs.VerbsUnavailableError) as exc:
-            log.warning("RDMA device %s found but unusable: %s", info.device, exc)
-            return None
+            return None, f"RDMA device {info.device} found but unusable: {exc}"
 
     def _acquire_segment(self, layout: TableLayout) -> _Registered:
         with self._lock:

@@ -25,6 +25,34 @@ import numpy as np
 
 # Expired lease ids remembered per session (to answer Release with "stale").
 MAX_REMEMBERED_EXPIRED = 4096
+DEFAULT_MAX_SESSIONS = 4096
+# Sessions one peer may hold open (config: [data_planes] max_sessions_per_peer), so a
+# single client cannot take every session and push the other learners to inline.
+DEFAULT_MAX_SESSIONS_PER_PEER = 1024
+PER_PEER_KEY = "[data_planes] max_sessions_per_peer"
+
+
+def peer_identity(context: Any) -> str:
+    """Who opens a session: the client certificate's name under mutual TLS, else the peer's address.
+
+    The port is left out (a client reconnecting, or opening several channels,
+    stays the same peer); a bearer token is shared by every client, so it
+    identifies nobody.
+    """
+    try:
+        auth = context.auth_context() or {}
+    except Exception:  # noqa: BLE001 - a context without auth data (tests, in-process calls)
+        auth = {}
+    names = auth.get("x509_common_name") or auth.get("x509_subject_alternative_name")
+    if names:
+        return "cert:" + b",".join(sorted(names)).decode(errors="replace")
+    try:
+        peer = context.peer() or ""
+    except Exception:  # noqa: BLE001
+        peer = ""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
 
 
 @dataclass
@@ -51,6 +79,7 @@ class Session:
     closed: bool = False
     next_lease: int = 1
     layout_version: int = -1  # the layout this session's learner holds (-1: none yet)
+    peer: str = ""  # peer_identity() of the caller that opened it
 
     def remember_expired(self, lease_id: int) -> None:
         self.expired[lease_id] = None
@@ -68,7 +97,8 @@ class SessionNotFoundError(KeyError):
 class SessionRegistry:
     """Open sessions, their leases and the reaping of expired ones (thread safe)."""
 
-    def __init__(self, *, lease_timeout_s: float, idle_timeout_s: float, max_sessions: int = 4096,
+    def __init__(self, *, lease_timeout_s: float, idle_timeout_s: float, max_sessions: int = DEFAULT_MAX_SESSIONS,
+                 max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER,
                  clock: Callable[[], float] = time.monotonic,
                  on_close: Callable[[Session], None] | None = None):
         if lease_timeout_s <= 0 or idle_timeout_s <= 0:
@@ -76,20 +106,42 @@ class SessionRegistry:
         self.lease_timeout_s = float(lease_timeout_s)
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_sessions = int(max_sessions)
+        self.max_sessions_per_peer = int(max_sessions_per_peer)
         self._clock = clock
         self._on_close = on_close
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._per_peer: dict[str, int] = {}
 
     # ----------------------------------------------------------------- sessions
-    def create(self, table: Any, kind: str, resources: Any = None) -> Session:
+    def create(self, table: Any, kind: str, resources: Any = None, peer: str = "") -> Session:
+        """A new session of ``peer``; OverflowError (RESOURCE_EXHAUSTED) past either cap, naming it."""
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
-                raise OverflowError(f"too many open data-plane sessions ({self.max_sessions})")
+                raise OverflowError(f"too many open data-plane sessions ({self.max_sessions}, "
+                                    f"[data_planes] max_sessions): try again later")
+            held = self._per_peer.get(peer, 0)
+            if held >= self.max_sessions_per_peer:
+                raise OverflowError(f"this peer holds {held} open data-plane sessions, the most "
+                                    f"{PER_PEER_KEY} allows: close some (or raise the setting)")
             session = Session(secrets.token_hex(16), table, kind, self.lease_timeout_s, self._clock(),
-                              resources=resources)
+                              resources=resources, peer=peer)
             self._sessions[session.session_id] = session
+            self._per_peer[peer] = held + 1
             return session
+
+    def _forget_peer(self, session: Session) -> None:
+        """One session of its peer fewer (call with the lock held, once the session left ``_sessions``)."""
+        left = self._per_peer.get(session.peer, 0) - 1
+        if left > 0:
+            self._per_peer[session.peer] = left
+        else:
+            self._per_peer.pop(session.peer, None)
+
+    def counts_by_peer(self) -> dict[str, int]:
+        """Open sessions per peer identity."""
+        with self._lock:
+            return dict(self._per_peer)
 
     def get(self, session_id: str) -> Session:
         """The open session (its idle clock restarts); SessionNotFoundError if none."""
@@ -104,6 +156,8 @@ class SessionRegistry:
         """End a session and release its leases; False if it was not open."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._forget_peer(session)
         if session is None:
             return False
         self._finish(session)
@@ -113,6 +167,7 @@ class SessionRegistry:
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
+            self._per_peer.clear()
         for s in sessions:
             self._finish(s)
 
@@ -194,6 +249,7 @@ class SessionRegistry:
             for sid, session in list(self._sessions.items()):
                 if now - session.last_seen > self.idle_timeout_s:
                     idle.append(self._sessions.pop(sid))
+                    self._forget_peer(session)
                     continue
                 for lease_id, lease in list(session.leases.items()):
                     if lease.deadline <= now:

@@ -164,7 +164,6 @@ def test_real_pyverbs_without_a_device_reports_none(tmp_path):
 _BUILD = """
 import json
 import numpy as np
-import pyverbs.enums as e
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract import addressing as ad, verbs
 ranges = np.array([[0, 0, 4096], [8192, 4096, 4096], [65536, 8192, 100]])
@@ -172,13 +171,13 @@ wrs = verbs.read_chain(7, ranges, verbs.Region(0x10000, 1 << 20, 11, 0), pb.Rdma
 local = ad.PortInfo("mlx5_0", 1, "Ethernet", 0, bytes(10) + b"\\xff\\xff" + bytes(4), 3, 5, 1 << 30)
 peer = local.endpoint([0x33], [9])
 av = ad.address_vector(local, peer)
-attr = verbs.rts_attr(1, e.IBV_ACCESS_REMOTE_READ, 0x33, 9, 5, av, 4, 8)
+attr = verbs.rts_attr(1, verbs.E.access_remote_read, 0x33, 9, 5, av, 4, 8)
 ib = verbs.ah_attr(ad.AddressVector(1, False, 17, bytes(16), 0))
 print(json.dumps({
-    "wr_ids": [w.wr_id for w in wrs], "opcodes": [w.opcode == e.IBV_WR_RDMA_READ for w in wrs],
-    "signalled": [bool(w.send_flags & e.IBV_SEND_SIGNALED) for w in wrs], "sges": [w.num_sge for w in wrs],
+    "wr_ids": [w.wr_id for w in wrs], "opcodes": [w.opcode == verbs.E.wr_rdma_read for w in wrs],
+    "signalled": [bool(w.send_flags & verbs.E.send_signaled) for w in wrs], "sges": [w.num_sge for w in wrs],
     "qp": [attr.path_mtu, attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.max_rd_atomic, attr.max_dest_rd_atomic,
-           attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.qp_access_flags == e.IBV_ACCESS_REMOTE_READ],
+           attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.qp_access_flags == verbs.E.access_remote_read],
     "roce_ah": [attr.ah_attr.is_global, attr.ah_attr.sgid_index, attr.ah_attr.dgid, attr.ah_attr.port_num],
     "ib_ah": [ib.is_global, ib.dlid],
 }))

@@ -262,3 +262,24 @@ def test_fallback_is_used_only_when_the_directory_has_nothing_good(tmp_path, sto
     assert empty.load_latest(fallback=tmp_path / "other")[0] == new  # a checkpoint root: its newest
     assert empty.load_latest(fallback=tmp_path / "nothing-here") is None
     assert not (old / REFUSED).exists()  # someone else's checkpoints are never marked
+
+
+def test_checkpoint_files_are_0600_and_directories_0700_whatever_the_umask(store, tmp_path):
+    """A daemon started from a shell with umask 022 must not write checkpoints other users can read."""
+    tables = filled_tables(store)
+    root = tmp_path / "state" / "checkpoints"  # neither exists yet: both are created 0700
+    previous = os.umask(0o022)
+    try:
+        checkpointer = Checkpointer(root, keep=2)
+        checkpointer.create_root()
+        path = checkpointer.write(table_state(t) for t in tables.values())
+        checkpointer.refuse(path, "marked by the test")
+    finally:
+        os.umask(previous)
+        for table in tables.values():
+            table.close()
+    files = [p for p in path.rglob("*") if p.is_file()]
+    dirs = [root.parent, root, path, *(p for p in path.rglob("*") if p.is_dir())]
+    assert len(files) > 10 and (path / COMPLETE) in files and (path / REFUSED) in files
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o600)}
+    assert {oct(p.stat().st_mode & 0o777) for p in dirs} == {oct(0o700)}

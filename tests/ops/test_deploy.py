@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from gear_server.auth import AuthSettings
 from gear_server.checkpoint import CheckpointSettings
 from gear_server.config import load_config
+from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.logs import LoggingSettings
 from gear_server.metrics import MetricsSettings
 
@@ -120,9 +122,44 @@ def test_the_example_config_loads_and_documents_every_operations_option():
     assert isinstance(settings.metrics, MetricsSettings) and settings.metrics.enabled
     assert isinstance(settings.auth, AuthSettings) and settings.auth.load_token() is None
     assert isinstance(settings.logging, LoggingSettings)
+    assert isinstance(settings.data_planes, DataPlaneSettings)
+    assert settings.metrics.bind == "127.0.0.1"  # a scrape needs no token: this host only unless changed
     text = EXAMPLE.read_text()
     for section, cls in (("checkpoint", CheckpointSettings), ("metrics", MetricsSettings),
-                         ("auth", AuthSettings), ("logging", LoggingSettings)):
+                         ("auth", AuthSettings), ("logging", LoggingSettings), ("data_planes", DataPlaneSettings)):
         assert f"[{section}]" in text
         for field in dataclasses.fields(cls):
             assert f"{field.name} =" in text or f"[{section}.{field.name}]" in text, (section, field.name)
+
+
+def test_the_unit_runs_a_watchdog_and_the_daemon_sends_keep_alives():
+    service = _unit(UNIT)["Service"]
+    assert 10 <= _seconds(service["WatchdogSec"]) <= 300
+    assert "sd_notify.keep_alive" in (ROOT / "gear_server" / "daemon.py").read_text()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (Debian: the systemd package)")
+def test_systemd_analyze_security_scores_the_installed_unit_at_most_4(tmp_path):
+    """The rendered unit, as install-service.sh installs it (7.5 EXPOSED before the hardening)."""
+    result = _stage(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    unit = tmp_path / "root/etc/systemd/system/gear-server.service"
+    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+                         capture_output=True, text=True, timeout=60)
+    if "--offline" in out.stderr and "unrecognized" in out.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)
+    assert match, out.stdout + out.stderr
+    assert float(match.group(1)) <= 4.0, out.stdout
+    service = _unit(unit)["Service"]
+    # What the hardening must leave reachable: IP and Unix sockets, netlink for rdma-core, the devices.
+    assert service["RestrictAddressFamilies"].split() == ["AF_INET", "AF_INET6", "AF_UNIX", "AF_NETLINK"]
+    assert service["DevicePolicy"] == "closed" and service["ReadWritePaths"] == "/dev/shm"
+
+
+def test_docs_and_the_install_script_ask_for_python_311():
+    for path in (DEPLOY / "install-service.sh", ROOT / "docs" / "OPERATIONS.md", ROOT / "README.md"):
+        text = path.read_text()
+        assert not re.search(r"3\.10\b|22\.04", text), path
+    assert "(3, 11)" in (DEPLOY / "install-service.sh").read_text()

@@ -1,19 +1,26 @@
-"""Prometheus metrics: exposition format, the HTTP endpoint, the RPC observer (gear_server.metrics)."""
+"""Prometheus metrics: exposition, the HTTP endpoint, bounded labels, the RPC observer (gear_server.metrics)."""
 
 from __future__ import annotations
 
 import re
 import threading
-import urllib.error
 import urllib.request
 
 import grpc
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_server import __version__
 from gear_server.auth import AuthSettings
 from gear_server.logs import ErrorSummary
-from gear_server.metrics import CONTENT_TYPE, MetricsServer, MetricsSettings, Registry, RpcObserver, ServerMetrics
+from gear_server.metrics import (
+    MAX_TABLE_LABELS,
+    METHOD_LABELS,
+    MetricsServer,
+    MetricsSettings,
+    RpcObserver,
+    ServerMetrics,
+)
 
 from ._support import call_method, start_server
 
@@ -42,8 +49,17 @@ def parse(text: str) -> dict[tuple[str, frozenset], float]:
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"] == CONTENT_TYPE
+        assert response.headers["Content-Type"].startswith("text/plain; version=")  # the text exposition
         return parse(response.read().decode())
+
+
+def label_names(text: str) -> dict[str, set[str]]:
+    """Metric family -> the label names its samples use (le/quantile aside)."""
+    out: dict[str, set[str]] = {}
+    for (name, labels), _ in parse(text).items():
+        family = re.sub(r"_(bucket|sum|count|total|created|info)$", "", name)
+        out.setdefault(family, set()).update(k for k, _ in labels if k not in ("le", "quantile"))
+    return out
 
 
 def value(samples, metric, **labels) -> float:
@@ -67,7 +83,7 @@ class FakeTable:
 def test_counters_histograms_and_callbacks_move_on_the_endpoint():
     table = FakeTable(5)
     metrics = ServerMetrics(tables=lambda: {"replay": table})
-    endpoint = MetricsServer(metrics.render, bind="127.0.0.1", port=0)
+    endpoint = MetricsServer(metrics.registry, bind="127.0.0.1", port=0)
     try:
         before = scrape(endpoint.port)
         assert value(before, "gear_table_size", table="replay") == 5
@@ -94,9 +110,9 @@ def test_counters_histograms_and_callbacks_move_on_the_endpoint():
     assert value(after, "gear_rate_limiter_wait_seconds_total", table="replay", op="insert") == 1.5
     assert value(after, "gear_rate_limiter_wait_seconds_total", table="replay", op="sample") == 0.25
     assert value(after, "gear_rate_limiter_limited_total", table="replay", op="sample") == 3
-    assert value(after, "gear_data_plane_sessions", kind="shm") == 1
-    assert value(after, "gear_data_plane_sessions", kind="rdma") == 1
-    assert value(after, "gear_data_plane_sessions_opened_total", kind="shm") == 2
+    assert value(after, "gear_data_plane_sessions", plane="shm") == 1
+    assert value(after, "gear_data_plane_sessions", plane="rdma") == 1
+    assert value(after, "gear_data_plane_sessions_opened_total", plane="shm") == 2
     # Histogram buckets are cumulative: 0.2 ms falls in le=0.00025 and every bucket above.
     assert value(after, "gear_selection_latency_seconds_bucket", table="replay", le="0.0001") == 0
     assert value(after, "gear_selection_latency_seconds_bucket", table="replay", le="0.00025") == 1
@@ -105,21 +121,58 @@ def test_counters_histograms_and_callbacks_move_on_the_endpoint():
     assert value(after, "gear_transfer_latency_seconds_sum", table="replay", plane="inline") == pytest.approx(0.003)
 
 
-def test_label_values_are_escaped_and_unknown_paths_are_404():
-    registry = Registry()
-    registry.counter("x_total", "help", ["name"]).labels('a"b\\c\nd').inc(2)
-    text = registry.render()
-    assert 'x_total{name="a\\"b\\\\c\\nd"} 2' in text
-    assert value(parse(text), "x_total", name='a\\"b\\\\c\\nd') == 2
-    with pytest.raises(ValueError, match="registered twice"):
-        registry.counter("x_total", "again")
-    endpoint = MetricsServer(registry.render, bind="127.0.0.1", port=0)
-    try:
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/nothing", timeout=10)
-        assert info.value.code == 404
-    finally:
-        endpoint.close()
+def test_series_exist_at_zero_with_build_and_process_metrics_and_one_label_per_concept():
+    table = FakeTable(0)
+    metrics = ServerMetrics(tables=lambda: {"replay": table})
+    text = metrics.render().decode()
+    samples = parse(text)
+    for plane in ("inline", "shm", "rdma"):
+        assert ("gear_bytes_sent_total", frozenset({("table", "replay"), ("plane", plane)})) in samples
+        assert ("gear_data_plane_sessions_opened_total", frozenset({("plane", plane)})) in samples
+        assert ("gear_data_plane_sessions", frozenset({("plane", plane)})) in samples
+    for name in ("gear_inserts_total", "gear_samples_total", "gear_bytes_received_total",
+                 "gear_selection_latency_seconds_count"):
+        assert (name, frozenset({("table", "replay")})) in samples, name
+    for result in ("ok", "failed"):
+        assert ("gear_checkpoints_total", frozenset({("result", result)})) in samples
+    assert ("gear_rpcs_total", frozenset({("method", "Sample"), ("code", "OK")})) in samples
+    assert value(samples, "process_resident_memory_bytes") > 0  # prometheus_client's process collector
+    build = [labels for (name, labels) in samples if name == "gear_build_info"]
+    assert len(build) == 1 and ("version", __version__) in build[0]
+    # One label name per concept: the data plane is "plane" wherever it appears (no "kind").
+    names = label_names(text)
+    assert all("kind" not in labels for labels in names.values()), names
+    assert {family for family, labels in names.items() if "plane" in labels} >= {
+        "gear_bytes_sent", "gear_data_plane_sessions_opened", "gear_data_plane_sessions",
+        "gear_transfer_latency_seconds"}
+    # The HELP line says what OPERATIONS.md says: the rate limiter's wait is inside the selection time.
+    help_line = next(line for line in text.splitlines() if line.startswith("# HELP gear_selection_latency_seconds"))
+    assert "wait included" in help_line
+
+
+def test_labels_stay_bounded_whatever_callers_send():
+    metrics = ServerMetrics()
+    baseline = len(metrics.render())
+    for i in range(10_000):
+        metrics.observe_rpc(f"/gear.v1.ReplayService/Made{i}", "UNIMPLEMENTED", 1e-4)
+        metrics.auth_denied(f"/evil.Service/M{i}")
+        metrics.observe_rpc(f"/x/{i}", f"CODE{i}")
+    grown = len(metrics.render()) - baseline
+    samples = parse(metrics.render().decode())
+    assert value(samples, "gear_rpcs_total", method="unknown", code="UNIMPLEMENTED") == 10_000
+    assert value(samples, "gear_rpcs_total", method="unknown", code="UNKNOWN") == 10_000
+    assert value(samples, "gear_auth_denied_total", method="unknown") == 10_000
+    assert grown < 4096, f"/metrics grew by {grown} bytes"  # a handful of new series, not 30,000
+    # Served methods keep their names; more tables than MAX_TABLE_LABELS count under "other".
+    assert {"Sample", "InsertStream", "Check", "ServerReflectionInfo"} <= set(METHOD_LABELS.values())
+    metrics.observe_rpc("/gear.v1.ReplayService/Sample", grpc.StatusCode.OK)
+    for i in range(MAX_TABLE_LABELS + 50):
+        metrics.inserted(f"t{i}", 1, 1)
+    samples = parse(metrics.render().decode())
+    assert value(samples, "gear_rpcs_total", method="Sample", code="OK") == 1
+    tables = {dict(labels)["table"] for (name, labels) in samples if name == "gear_inserts_total"}
+    assert len(tables) == MAX_TABLE_LABELS + 1 and "other" in tables
+    assert value(samples, "gear_inserts_total", table="other") == 50
 
 
 def test_counters_are_exact_under_concurrent_updates():
@@ -134,7 +187,7 @@ def test_counters_are_exact_under_concurrent_updates():
         t.start()
     for t in threads:
         t.join()
-    samples = parse(metrics.render())
+    samples = parse(metrics.render().decode())
     assert value(samples, "gear_inserts_total", table="replay") == 20000
     assert value(samples, "gear_bytes_received_total", table="replay") == 200000
 
@@ -142,7 +195,8 @@ def test_counters_are_exact_under_concurrent_updates():
 def test_rpc_observer_counts_codes_including_refused_calls():
     metrics = ServerMetrics()
     summary = ErrorSummary(interval_s=60)
-    interceptors = [RpcObserver(metrics, on_error=summary.record), *AuthSettings(token="t0k").interceptors()]
+    interceptors = [RpcObserver(metrics, on_error=summary.record),
+                    *AuthSettings(token="t0k").interceptors(metrics.auth_denied)]
     server, port = start_server(interceptors)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -154,7 +208,7 @@ def test_rpc_observer_counts_codes_including_refused_calls():
             assert call_method(channel, "InsertStream", metadata=auth) == grpc.StatusCode.OK
     finally:
         server.stop(None)
-    samples = parse(metrics.render())
+    samples = parse(metrics.render().decode())
     assert value(samples, "gear_rpcs_total", method="ServerInfo", code="UNAUTHENTICATED") == 1
     assert value(samples, "gear_rpcs_total", method="Sample", code="UNAUTHENTICATED") == 1
     assert value(samples, "gear_rpcs_total", method="ServerInfo", code="OK") == 1
@@ -163,6 +217,13 @@ def test_rpc_observer_counts_codes_including_refused_calls():
     line = summary.flush()
     assert line is not None and "2 (" in line and "UNAUTHENTICATED x1" in line
     assert summary.flush() is None
+    assert value(samples, "gear_auth_denied_total", method="Sample") == 1
+    assert value(samples, "gear_rpc_duration_seconds_count", method="ServerInfo") == 2
+
+
+def test_the_endpoint_listens_on_localhost_by_default():
+    assert MetricsSettings().bind == "127.0.0.1"
+    assert MetricsSettings.from_toml({}).bind == "127.0.0.1"
 
 
 def test_settings():

@@ -105,3 +105,57 @@ def test_error_summary_aggregates_and_grades(caplog):
     assert "4 (Sample NOT_FOUND x3, InsertStream INVALID_ARGUMENT x1)" in first.getMessage()
     assert second.levelno == logging.WARNING and "Select INTERNAL x1" in second.getMessage()
 
+
+
+def test_error_summary_stays_bounded_whatever_callers_send(caplog):
+    """10,000 made-up method names (long ones too) make one short line, not one entry each."""
+    summary = ErrorSummary(interval_s=60)
+    for i in range(10_000):
+        summary.record(f"MadeUp{i}" + "x" * (i % 3) * 500, "UNIMPLEMENTED")
+    with caplog.at_level(logging.INFO, logger="gear_server"):
+        line = summary.flush()
+    assert line is not None and "10000 (" in line
+    assert len(line) < 4096, len(line)
+    assert "(other calls) any code x" in line
+
+
+def test_watchdog_keep_alives_follow_watchdog_usec(tmp_path, monkeypatch):
+    path = str(tmp_path / "notify.sock")
+    with _receiver(path) as sock:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+        assert sd_notify.watchdog_interval() is None and not sd_notify.keep_alive()
+        monkeypatch.setenv("WATCHDOG_USEC", "2000000")  # WatchdogSec=2s: a keep-alive every second
+        monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
+        assert sd_notify.watchdog_interval() is None and not sd_notify.keep_alive()
+        monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+        assert sd_notify.watchdog_interval() == 1.0
+        assert sd_notify.keep_alive(now=1000.0)
+        assert not sd_notify.keep_alive(now=1000.5)  # not due yet
+        assert sd_notify.keep_alive(now=1001.0)
+        assert [sock.recv(64) for _ in range(2)] == [b"WATCHDOG=1", b"WATCHDOG=1"]
+
+
+def test_the_asyncio_keep_alive_task_pings_until_cancelled(tmp_path, monkeypatch):
+    import asyncio
+
+    path = str(tmp_path / "notify.sock")
+    with _receiver(path) as sock:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.setenv("WATCHDOG_USEC", "200000")  # 0.2 s: a keep-alive every 0.1 s
+        monkeypatch.delenv("WATCHDOG_PID", raising=False)
+
+        async def serve_for_a_while() -> None:
+            task = asyncio.create_task(sd_notify.keep_alive_forever())
+            await asyncio.sleep(0.55)
+            task.cancel()
+
+        asyncio.run(serve_for_a_while())
+        sock.settimeout(0.2)
+        pings = []
+        try:
+            while True:
+                pings.append(sock.recv(64))
+        except TimeoutError:
+            pass
+    assert set(pings) == {b"WATCHDOG=1"} and 3 <= len(pings) <= 7, pings
