@@ -140,6 +140,9 @@ class ServerMetrics:
         self._tables = tables
         self._sessions: Callable[[], Mapping[str, int]] | None = None
         self._per_table: dict[str, _TableSeries] = {}
+        # Children of the RPC metrics by label values (bounded), looked up without labels()' lock.
+        self._rpc_children: dict[tuple[str, str], Any] = {}
+        self._duration_children: dict[str, Any] = {}
         self._lock = threading.Lock()
         r.register(_ScrapeTimeCollector(self))  # first: it also creates the series of new tables at zero
         ProcessCollector(registry=r)
@@ -268,9 +271,16 @@ class ServerMetrics:
     def observe_rpc(self, method: str, code: grpc.StatusCode | str | None, seconds: float | None = None) -> None:
         """One finished RPC (method by full path or short name; unknown methods count as ``unknown``)."""
         label = method_label(method)
-        self.rpcs.labels(label, code_label(code)).inc()
+        key = (label, code_label(code))
+        counter = self._rpc_children.get(key)
+        if counter is None:  # at most (served methods + 1) x 17 codes
+            counter = self._rpc_children[key] = self.rpcs.labels(*key)
+        counter.inc()
         if seconds is not None:
-            self.rpc_seconds.labels(label).observe(seconds)
+            timer = self._duration_children.get(label)
+            if timer is None:
+                timer = self._duration_children[label] = self.rpc_seconds.labels(label)
+            timer.observe(seconds)
 
     def rpc_finished(self, method: str, code: str) -> None:
         self.observe_rpc(method, code)
