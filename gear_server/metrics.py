@@ -405,7 +405,7 @@ class RpcObserver(grpc.ServerInterceptor):
         if self._metrics is not None:
             self._metrics.observe_rpc(method, name, time.perf_counter() - started)
         if name != "OK" and self._on_error is not None:
-            self._on_error(method_label(method), name)
+            self._on_error(method, name)  # already a bounded label (see _wrap)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)

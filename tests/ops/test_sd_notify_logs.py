@@ -159,3 +159,19 @@ def test_the_asyncio_keep_alive_task_pings_until_cancelled(tmp_path, monkeypatch
         except TimeoutError:
             pass
     assert set(pings) == {b"WATCHDOG=1"} and 3 <= len(pings) <= 7, pings
+
+
+def test_a_serving_daemon_sends_watchdog_keep_alives(tmp_path):
+    """Under WatchdogSec= (WATCHDOG_USEC) the daemon pings while it serves; a wedged loop would stop them."""
+    import uuid
+
+    from ._support import DaemonProcess, tables_toml
+
+    daemon = DaemonProcess(tmp_path, tables_toml(f"wd{uuid.uuid4().hex[:8]}"), env={"WATCHDOG_USEC": "1000000"})
+    try:
+        daemon.wait_ready()
+        first = daemon.wait_for("WATCHDOG=1", timeout=10)
+        daemon.messages.remove(first)
+        daemon.wait_for("WATCHDOG=1", timeout=10)  # and again: it keeps pinging
+    finally:
+        assert daemon.stop() == 0
