@@ -10,7 +10,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 # Source-tree imports for machines without the venv (the GPU machine).
 GPU_ENV := PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1
 
-.PHONY: install test test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
+.PHONY: install test test-frameworks test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -39,6 +39,20 @@ lint: install
 
 test: install kernels-build proto-check lint
 	$(VPY) -m pytest -q -m "not gpu and not rdma"
+
+# Datasets in PyTorch and JAX loops (tests marked torch / jax) in their own venv: torch's CPU build
+# (about 190 MB where a +cpu wheel is at hand, else PyPI's torch) and jax; `make test` skips them.
+FRAMEWORKS_VENV := .venv-frameworks
+$(FRAMEWORKS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FRAMEWORKS_VENV)
+	$(FRAMEWORKS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FRAMEWORKS_VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(FRAMEWORKS_VENV)/bin/python -m pip install -q 'torch==2.13.0+cpu' || $(FRAMEWORKS_VENV)/bin/python -m pip install -q torch
+	$(FRAMEWORKS_VENV)/bin/python -m pip install -q jax
+	touch $@
+
+test-frameworks: $(FRAMEWORKS_VENV)/.installed
+	$(FRAMEWORKS_VENV)/bin/python -m pytest -q -m "torch or jax" tests
 
 # On the GPU machine: system python3 with cupy, run from the source tree.
 test-gpu:

@@ -9,10 +9,14 @@ bytes moved into the learner's memory, Release), in GB/s of item payload:
 * inline   PlaneSampler(planes=["inline"]): bytes in gRPC messages, padded batch
 * shm      PlaneSampler(planes=["shm"]): segment mapped, NumPy gather into host memory;
            "pipelined": PlaneSampler.batches(): Selects sent ahead (the daemon picks the next batches
-           while this one is gathered), several gathers running, each lease ended by a later Select
+           while this one is gathered), several batches per Select (up to 128 items, at most 8 batches:
+           4 at B=32, 1 at B=256; one gather reads them all), several gathers running, each lease ended by a later Select;
+           "1/select": the same pipeline with one batch per Select (the round trip bounds small batches)
 * shm-gpu  the same with device="cuda": the gather kernel reads the mapped segment into GPU memory
            (each batch on its own CUDA stream); "deeper": 3 Selects ahead and 4 gathers instead of 2 and 3;
-           then where one batch's time goes (Select round trip, host launch, gather on the GPU)
+           "8/select" and "1/select": 8 and 1 batches per Select;
+           then where one batch's time goes (Select round trip, host launch, gather on the GPU).
+           Goal (issue 10): B=32 shm into GPU memory >= 25 GB/s, printed as met or missed
 * dataset  TrajectoryDataset over the best plane, prefetching (what a training loop sees)
 * client.sample  Reverb's API (items stacked per column), which now picks the best plane itself
 * rdma     real verbs when a device exists; otherwise only the software overhead per batch
@@ -50,7 +54,7 @@ import bench_core  # noqa: E402 - the core benchmark's workload and server
 
 ITEM_BYTES = bench_core.ITEM_BYTES
 NUM_ITEMS = 2048
-GOALS = {"shm_vs_reverb": 10.0, "shm_gpu_gbps": 35.0}
+GOALS = {"shm_vs_reverb": 10.0, "shm_gpu_gbps": 35.0, "shm_gpu_b32_gbps": 25.0}
 
 
 def timed(fn, seconds: float, min_reps: int = 3) -> tuple[float, int]:
@@ -173,8 +177,10 @@ def bench_sampler(address: str, batch: int, seconds: float, pipelined: bool = Fa
         elapsed, items = timed(one, seconds)
         if stream is not None:
             stream.close()
+        batches = (items + batch) / batch  # the warm-up batch too: sampler.selects counts its Selects
+        per_select = batches / sampler.selects if sampler.selects else None  # None: inline (no Select)
         return {"gbps": gbps(elapsed, items), "plane": sampler.kind, "batches_per_s": items / batch / elapsed,
-                "stale_batches": sampler.stale_batches}
+                "stale_batches": sampler.stale_batches, "batches_per_select": per_select}
 
 
 def gpu_breakdown(address: str, batch: int, reps: int = 40) -> dict[str, Any]:
@@ -358,12 +364,18 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
             planes["inline"] = bench_sampler(address, batch, seconds, planes=["inline"])
             planes["shm"] = bench_sampler(address, batch, seconds, planes=["shm"])
             planes["shm pipelined"] = bench_sampler(address, batch, seconds, True, planes=["shm"])
+            planes["shm 1/select"] = bench_sampler(address, batch, seconds, True, {"batches_per_select": 1},
+                                                   planes=["shm"])
             if gpu:
                 planes["shm-gpu"] = bench_sampler(address, batch, seconds, planes=["shm"], device="cuda")
                 planes["shm-gpu pipelined"] = bench_sampler(address, batch, seconds, True, planes=["shm"],
                                                             device="cuda")
                 planes["shm-gpu deeper"] = bench_sampler(address, batch, seconds, True, {"depth": 4, "prefetch": 3},
                                                          planes=["shm"], device="cuda")
+                planes["shm-gpu 8/select"] = bench_sampler(address, batch, seconds, True, {"batches_per_select": 8},
+                                                           planes=["shm"], device="cuda")
+                planes["shm-gpu 1/select"] = bench_sampler(address, batch, seconds, True, {"batches_per_select": 1},
+                                                           planes=["shm"], device="cuda")
                 try:  # a diagnostic: never lose the figures above to it
                     results.setdefault("gpu_breakdown", {})[key] = gpu_breakdown(address, batch)
                 except Exception as exc:  # noqa: BLE001
@@ -430,18 +442,21 @@ def print_results(r: dict[str, Any]) -> None:
                 if name.startswith("shm-gpu"):
                     h2d = r["ceilings"].get("h2d_pinned_gbps")
                     note = f"  (ceiling: pinned H2D {h2d:.1f} GB/s; goal >= {GOALS['shm_gpu_gbps']:.0f})" if h2d else ""
-                print(f"    {name:<14} {fig['gbps']:7.2f} GB/s  [{fig.get('plane')}]{note}")
+                per_select = f", {fig['batches_per_select']:.1f} batches/Select" if fig.get("batches_per_select") else ""
+                print(f"    {name:<17} {fig['gbps']:7.2f} GB/s  [{fig.get('plane')}{per_select}]{note}")
             elif "overhead_ms_per_batch" in fig:
-                print(f"    {name:<14} {fig['overhead_ms_per_batch']:7.2f} ms/batch of planning+posting+polling "
+                print(f"    {name:<17} {fig['overhead_ms_per_batch']:7.2f} ms/batch of planning+posting+polling "
                       f"(software ceiling {fig['software_ceiling_gbps']:.1f} GB/s; no bytes moved)")
             else:
-                print(f"    {name:<14} not run: {fig.get('not_run')}")
+                print(f"    {name:<17} not run: {fig.get('not_run')}")
         split = (r.get("gpu_breakdown") or {}).get(key)
         if split:
             piped = planes["shm-gpu pipelined"]
             print(f"    shm-gpu time per batch: Select round trip {split['select_rtt_ms']:.2f} ms, host launch "
                   f"{split['launch_host_ms']:.2f} ms, gather on the GPU {split['gather_gpu_ms']:.2f} ms; "
                   f"pipelined {1e3 / piped['batches_per_s']:.2f} ms/batch")
+        if key == "b32":
+            print_b32_goal(planes)
         rv = (r.get("reverb") or {}).get(key)
         shm = max(planes["shm"]["gbps"], planes["shm pipelined"]["gbps"])
         if rv:
@@ -449,6 +464,24 @@ def print_results(r: dict[str, Any]) -> None:
                   f"shm/reverb = {shm / rv['gbps']:.1f}x (goal >= {GOALS['shm_vs_reverb']:.0f}x)")
         elif key == "b256":
             print("    reverb 0.14    not run here (no ratio without Reverb measured side by side)")
+
+
+def print_b32_goal(planes: dict[str, Any]) -> None:
+    """Issue 10's goal: B=32 shm into GPU memory >= 25 GB/s (on a machine without a GPU: the CPU figures instead)."""
+    goal = GOALS["shm_gpu_b32_gbps"]
+    gpu = [n for n in ("shm-gpu pipelined", "shm-gpu deeper", "shm-gpu 8/select") if n in planes]
+    if gpu:
+        best = max(gpu, key=lambda n: planes[n]["gbps"])
+        fig, one = planes[best], planes.get("shm-gpu 1/select", {}).get("gbps", float("nan"))
+        verdict = "met" if fig["gbps"] >= goal else "MISSED"
+        print(f"    goal B=32 shm into GPU memory: {fig['gbps']:.2f} GB/s ({best}, "
+              f"{fig['batches_per_select']:.1f} batches/Select; one batch per Select {one:.2f}) "
+              f"vs >= {goal:.0f} GB/s: {verdict}")
+    else:
+        fig, one = planes["shm pipelined"], planes["shm 1/select"]
+        print(f"    goal B=32 shm into GPU memory >= {goal:.0f} GB/s: no GPU here (make bench-planes-gpu); "
+              f"into host memory {fig['gbps']:.2f} GB/s at {fig['batches_per_select']:.1f} batches/Select, "
+              f"{one['gbps']:.2f} at one")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,21 @@ class SampledBatch:
     def sample(self) -> ReplaySample:
         return ReplaySample(self.info, self.data)
 
+    def split(self, size: int) -> list[SampledBatch]:
+        """Consecutive batches of ``size`` items (the last may be short): views of this one, nothing copied.
+
+        A pipelined Select asks for several batches at once and one gather reads
+        them all; the learner gets them one batch at a time.
+        """
+        n = len(self)
+        if n <= size:
+            return [self]
+        return [SampledBatch(self.keys[i:i + size], self.probabilities[i:i + size], self.table_sizes[i:i + size],
+                             self.priorities[i:i + size], self.times_sampled[i:i + size],
+                             [c[i:i + size] for c in self.columns], self.lengths[i:i + size], self.structure,
+                             self.squeeze, plane=self.plane)
+                for i in range(0, n, size)]
+
     def item_infos(self) -> list[SampleInfo]:
         return [SampleInfo(*row) for row in zip(self.keys.tolist(), self.probabilities.tolist(),
                                                 self.table_sizes.tolist(), self.priorities.tolist(),

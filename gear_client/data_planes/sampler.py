@@ -55,9 +55,11 @@ MAX_OUTGROWN_LAYOUTS = 8
 PIPELINE_DEPTH = 3
 PIPELINE_PREFETCH = 2
 # Items one pipelined Select asks for at most when it asks for several batches (batches_per_select
-# None): enough that a batch of 32 items is not bound by the Select round trip, few enough that the
-# slots leased at once stay well inside a table's spare slots.
-ITEMS_PER_SELECT = 256
+# None): enough that a batch of 32 items is not bound by the Select round trip (4 batches per round
+# trip and two Selects in flight), few enough that the slots leased at once stay well inside a
+# table's spare slots and one gather's buffer stays small (measured on the 2-core machine: 256 items
+# of 256 KiB per Select gathered slower than 128).
+ITEMS_PER_SELECT = 128
 MAX_BATCHES_PER_SELECT = 8
 MAX_SELECT_ITEMS = 1 << 20  # the daemon's cap on one Select
 DRAIN_WAIT_S = 1.0  # how long closing a pipeline waits for its Selects in flight before cancelling them
@@ -139,51 +141,57 @@ def select_width(batch_size: int, asked: int | None = None) -> int:
     return max(1, min(MAX_BATCHES_PER_SELECT, ITEMS_PER_SELECT // batch_size))
 
 
+def gathers_in_flight(depth: int, per_select: int) -> int:
+    """Gathers a pipeline keeps running for ``depth`` batches when each gather reads ``per_select`` of them.
+
+    One batch per Select: ``depth`` gathers. Several: enough gathers for
+    ``depth`` batches, but two at least, so that the next gather is queued (on a
+    GPU stream) while the learner takes the batches of the previous one.
+    """
+    depth = max(1, int(depth))
+    if per_select <= 1:
+        return depth
+    return max(2, -(-depth // per_select))
+
+
 @dataclass
 class PipelineState:
     """A pipeline's work in flight, oldest first (see PlaneSampler._pipeline).
 
-    ``selects``: Selects sent; ``gathering``: (lease, gather) per batch being
-    gathered; ``open_gathers``: per lease, its batches still being gathered;
-    ``verdicts``: per lease whose gathers all ended, its batches, waiting for the
-    verdict of the Select that ends the lease; ``to_release``: leases the next
-    Select ends; ``ready``: batches whose lease came back intact.
+    ``selects``: Selects sent; ``gathering``: (lease, gather) per Select answer
+    being gathered (one gather reads all the batches a Select asked for);
+    ``verdicts``: per gathered lease, its items, waiting for the verdict of the
+    Select that ends the lease; ``to_release``: leases the next Select ends;
+    ``ready``: batches of ``batch_size`` items whose lease came back intact.
     """
 
+    batch_size: int
     selects: deque[PendingSelect] = field(default_factory=deque)
     gathering: deque[tuple[int, Pending]] = field(default_factory=deque)
-    open_gathers: dict[int, int] = field(default_factory=dict)
-    gathered: dict[int, list[SampledBatch]] = field(default_factory=dict)
-    verdicts: dict[int, list[SampledBatch]] = field(default_factory=dict)
+    verdicts: dict[int, SampledBatch] = field(default_factory=dict)
     to_release: list[int] = field(default_factory=list)
     ready: deque[SampledBatch] = field(default_factory=deque)
 
-    def start(self, lease: int, gathers: list[Pending]) -> None:
-        self.open_gathers[lease] = len(gathers)
-        self.gathered[lease] = []
-        self.gathering.extend((lease, g) for g in gathers)
-
     def finish_oldest(self) -> None:
-        """Wait for the oldest gather; a lease whose gathers all ended (a failed one too) may go."""
+        """Wait for the oldest gather; its lease may go once it ended (a failed one too)."""
         lease, gather = self.gathering.popleft()
         try:
-            self.gathered[lease].append(gather.wait())
+            self.verdicts[lease] = gather.wait()
         finally:
-            self.open_gathers[lease] -= 1
-            if self.open_gathers[lease] == 0:
-                del self.open_gathers[lease]
-                self.verdicts[lease] = self.gathered.pop(lease)
-                self.to_release.append(lease)
+            self.to_release.append(lease)
 
     def finish_all(self) -> None:
         while self.gathering:
             self.finish_oldest()
 
     def judge(self, released: list[int], stale: set[int]) -> int:
-        """Take the verdicts on ``released`` leases: intact batches become ready; returns the stale batches."""
+        """Take the verdicts on ``released`` leases: intact items become ready batches; returns the batches dropped."""
         dropped = 0
         for lease in released:
-            batches = self.verdicts.pop(lease, [])
+            items = self.verdicts.pop(lease, None)
+            if items is None:
+                continue  # a selection dropped without gathering
+            batches = items.split(self.batch_size)
             if lease in stale:
                 dropped += len(batches)
             else:
@@ -459,10 +467,11 @@ class PlaneSampler:
         picks the next batches while this learner gathers), each asking for
         ``batches_per_select`` batches at once (default: as many as fit
         ITEMS_PER_SELECT items, at most 8), so that small batches are not bound by
-        the Select round trip. The oldest gather is waited for once ``depth``
-        batches are being gathered (on a GPU each runs on its own stream). A
-        Select's lease is ended by the next Select sent after all its batches are
-        gathered, whose answer says whether they were stale (then they are
+        the Select round trip: one gather reads them all (one kernel launch on a
+        GPU) and they are handed out as ``num_samples``-item views of it. The
+        oldest gather is waited for once enough are running for ``depth`` batches
+        (``gathers_in_flight``; on a GPU each runs on its own stream). A Select's lease is ended by the next Select sent
+        after its gather, whose answer says whether they were stale (then they are
         dropped); a batch is handed out only after that verdict, so it is complete
         and intact. A reaped session or a layout the pipeline cannot follow (a new
         segment that cannot be mapped) drains the pipeline and goes through
@@ -481,7 +490,8 @@ class PlaneSampler:
             if not pipelined:
                 yield self.sample(num_samples, window=window, timeout=timeout)
                 continue
-            yield from self._pipeline(num_samples, window, timeout, max(1, depth), max(1, prefetch), per_select)
+            yield from self._pipeline(num_samples, window, timeout, gathers_in_flight(depth, per_select),
+                                      max(1, prefetch), per_select)
             yield self.sample(num_samples, window=window, timeout=timeout)  # recovery, then pipeline again
 
     def _pipeline(self, num_samples: int, window: WindowSpec, timeout: float | None, depth: int, prefetch: int,
@@ -491,7 +501,7 @@ class PlaneSampler:
         assert session is not None and plane is not None
         plane.pipelined()
         ncols = len(self._layout.columns) if self._layout is not None else None
-        state = PipelineState()
+        state = PipelineState(num_samples)
         try:
             while True:
                 with self._lock:
@@ -531,15 +541,11 @@ class PlaneSampler:
                         state.to_release.append(selection.lease_id)
                     else:
                         ncols = len(self._layout.columns)
-                        gathers: list[Pending] = []
-                        try:
-                            for part in selection.split(num_samples):
-                                gathers.append(plane.start(part, window))
-                        finally:
-                            if gathers:
-                                state.start(selection.lease_id, gathers)
-                            else:
-                                state.to_release.append(selection.lease_id)
+                        try:  # one gather for every batch this Select asked for, split when judged
+                            state.gathering.append((selection.lease_id, plane.start(selection, window)))
+                        except Exception:
+                            state.to_release.append(selection.lease_id)
+                            raise
                 while len(state.gathering) >= depth:
                     state.finish_oldest()
                 while state.ready:

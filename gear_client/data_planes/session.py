@@ -32,23 +32,6 @@ class ItemSelection:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def split(self, batch_size: int) -> list[ItemSelection]:
-        """Consecutive batches of ``batch_size`` items (the last may be short), all under this lease.
-
-        A Select that asked for several batches at once is gathered batch by
-        batch; the layout (if any) travels with the first part only.
-        """
-        n = len(self)
-        if n <= batch_size:
-            return [self]
-        parts = []
-        for start in range(0, n, batch_size):
-            cut = slice(start, start + batch_size)
-            parts.append(ItemSelection(self.slots[cut], self.generations[cut], self.lengths[cut],
-                                       tuple(info[cut] for info in self.infos), self.lease_id, self.layout_version,
-                                       self.layout if start == 0 else None, self.region if start == 0 else None))
-        return parts
-
 
 def _array(tensor: pb.Tensor, dtype: str) -> np.ndarray:
     arr = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).reshape(tuple(tensor.shape))
@@ -68,9 +51,10 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
         lengths = _array(response.lengths, "<i4").astype(np.int64)
         if lengths.shape[0] != len(slots) or (layout is not None and lengths.shape[1] != len(layout.columns)):
             raise ValueError("Select answered lengths that do not match its items")
-        infos = (_array(response.keys, "<u8"), _array(response.probabilities, "<f8"),
-                 _array(response.table_sizes, "<i8"), _array(response.priorities, "<f8"),
-                 _array(response.times_sampled, "<i4"))
+        # the learner's own arrays (writable, as NumPy and PyTorch expect), not views of the message
+        infos = (_array(response.keys, "<u8").copy(), _array(response.probabilities, "<f8").copy(),
+                 _array(response.table_sizes, "<i8").copy(), _array(response.priorities, "<f8").copy(),
+                 _array(response.times_sampled, "<i4").copy())
         return ItemSelection(slots, _array(response.generations, "<u8"), lengths, infos, int(response.lease_id),
                              int(response.layout_version), layout, region)
     refs = response.refs

@@ -142,7 +142,7 @@ def test_a_segment_that_never_shows_up_still_falls_back():
 
     s = PlaneSampler(object(), "t")  # a stub stand-in: nothing is called on it
     s._layout = SimpleNamespace(version=1, columns=(0, 1, 2))
-    state = PipelineState()
+    state = PipelineState(4)
     outcomes = []
     for version in range(2, MAX_OUTGROWN_LAYOUTS + 3):
         answer = SimpleNamespace(lease_id=version, layout_version=version, region=None,

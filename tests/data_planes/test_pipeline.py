@@ -11,10 +11,13 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from gear_client.data_planes import shm as shm_module
+from gear_client.data_planes.batch import Pending, SampledBatch
 from gear_client.data_planes.sampler import LayoutStep, PipelineState, PlaneSampler, SamplerClosedError
+from gear_contract._proto import replay_pb2 as pb
 
 from ._support import check_batch, fill, insert, start_daemon, table_config
 
@@ -62,14 +65,14 @@ def test_answers_out_of_order_around_a_growth_are_followed_without_reopening():
     s = PlaneSampler(object(), "t")  # a stub stand-in: nothing is called on it
     plane = Plane()
     s._layout = layout(1)
-    state = PipelineState()
-    state.start(7, [Gather()])
+    state = PipelineState(2)
+    state.gathering.append((7, Gather()))
     # a Select that already addresses the grown segment, answered before the one that brings its layout
     state.selects = deque([Answered(selection(9, 2, layout(2)))])
     assert s._follow_layout(selection(8, 2), state, plane) is LayoutStep.GATHER
     assert plane.mapped == [2] and s._layout.version == 2
-    # the old segment's reads are done: the lease may go, its batch waits for the verdict
-    assert state.verdicts == {7: ["batch"]} and state.to_release == [7] and not state.gathering
+    # the old segment's reads are done: the lease may go, its items wait for the verdict
+    assert state.verdicts == {7: "batch"} and state.to_release == [7] and not state.gathering
     # the answer that brings it is already followed; one selected before the growth is dropped unread
     state.selects = deque()
     assert s._follow_layout(selection(9, 2, layout(2)), state, plane) is LayoutStep.GATHER
@@ -79,17 +82,26 @@ def test_answers_out_of_order_around_a_growth_are_followed_without_reopening():
     assert s._follow_layout(selection(11, 3), state, plane) is LayoutStep.RECOVER
 
 
-def test_pipeline_state_releases_a_lease_once_all_its_batches_are_gathered_and_judges_them_together():
-    state = PipelineState()
-    state.start(1, [Gather(), Gather(), Gather()])
-    state.start(2, [Gather()])
+def items(n: int) -> SampledBatch:
+    """n items whose every field says which item it is."""
+    i = np.arange(n)
+    columns = [i.astype(np.int64).reshape(n, 1), np.repeat(i, 6).reshape(n, 3, 2).astype(np.float32)]
+    return SampledBatch(i.astype(np.uint64), i / n, np.full(n, n), i * 2.0, i.astype(np.int32), columns,
+                        np.ones((n, 2), np.int32), pb.Structure(), (False, False), plane="shm")
+
+
+def test_one_gather_of_several_batches_is_judged_and_handed_out_batch_by_batch():
+    state = PipelineState(4)
+    state.gathering.extend([(1, Pending(None, items(10))), (2, Pending(None, items(8)))])
     state.finish_oldest()
-    state.finish_oldest()
-    assert state.to_release == [] and state.open_gathers == {1: 1, 2: 1}  # lease 1 still has a batch being read
+    assert state.to_release == [1] and not state.ready  # gathered: the lease may go; the verdict comes later
     state.finish_all()
-    assert state.to_release == [1, 2] and not state.open_gathers
-    assert state.judge([1], stale=set()) == 0 and len(state.ready) == 3
-    assert state.judge([2], stale={2}) == 1 and len(state.ready) == 3  # a stale lease drops its batches
+    assert state.judge([1], stale=set()) == 0
+    assert [len(b) for b in state.ready] == [4, 4, 2]
+    assert np.array_equal(np.concatenate([b.keys for b in state.ready]), np.arange(10))
+    assert all(np.array_equal(b.columns[1][:, 0, 0], b.keys.astype(np.float32)) for b in state.ready)
+    assert state.judge([2], stale={2}) == 2 and len(state.ready) == 3  # a stale lease drops all its batches
+    assert items(4).split(4)[0].keys is not None and len(items(3).split(4)) == 1
 
 
 def test_selects_are_sent_ahead_and_every_lease_ends_with_the_stream():

@@ -11,12 +11,11 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import gear_client as reverb
 from gear_client.data_planes.read_ahead import may_read_ahead, sampling_takes
-from gear_client.data_planes.sampler import PlaneSampler, select_width
+from gear_client.data_planes.sampler import PlaneSampler, gathers_in_flight, select_width
 from gear_contract._proto import replay_pb2 as pb
 
 from ._support import check_batch, fill, insert, start_daemon, table_config
@@ -137,7 +136,8 @@ def test_a_rate_limited_table_gives_a_batch_as_soon_as_inserts_allow_one(daemon,
 def test_uniform_tables_are_read_ahead_several_batches_per_select(daemon):
     table = daemon.tables["uniform"]
     fill(table, 16, **ITEM)
-    assert select_width(4) == 8 and select_width(256) == 1 and select_width(4, 3) == 3
+    assert select_width(4) == 8 and select_width(32) == 4 and select_width(256) == 1 and select_width(4, 3) == 3
+    assert gathers_in_flight(3, 1) == 3 and gathers_in_flight(3, 4) == 2 and gathers_in_flight(16, 4) == 4
     with PlaneSampler(daemon.address(), "uniform") as s:
         stream = s.batches(4)
         items = sum(check_batch(next(stream)) for _ in range(32))
@@ -148,17 +148,3 @@ def test_uniform_tables_are_read_ahead_several_batches_per_select(daemon):
         sizes = [check_batch(b) for b in ds.batches()]
         assert ds.read_ahead is True
     assert sizes == [4] * 10
-
-
-def test_a_short_select_is_split_into_full_batches_and_a_short_last_one():
-    from gear_client.data_planes.session import ItemSelection
-
-    n = 10
-    infos = tuple(np.arange(n) for _ in range(5))
-    whole = ItemSelection(np.arange(n), np.arange(n, dtype=np.uint64), np.ones((n, 3), np.int64), infos, 7, 2,
-                          layout="L")
-    parts = whole.split(4)
-    assert [len(p) for p in parts] == [4, 4, 2] and {p.lease_id for p in parts} == {7}
-    assert parts[0].layout == "L" and parts[1].layout is None
-    assert np.array_equal(np.concatenate([p.slots for p in parts]), whole.slots)
-    assert np.array_equal(np.concatenate([p.infos[0] for p in parts]), infos[0])
