@@ -38,6 +38,25 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
 
 __all__ = sorted(name for name in _EXPORTS if name != "item_selectors")
 
+# Reverb's module names -> the module of gear that implements each: the `reverb` alias distribution
+# (alias/reverb) makes `from reverb import structured_writer`, `import reverb.rate_limiters`... work.
+REVERB_MODULES: dict[str, str] = {
+    "client": "gear_client.client",
+    "server": "gear_client.server",
+    "errors": "gear_client.errors",
+    "replay_sample": "gear_client.replay_sample",
+    "trajectory_writer": "gear_client.trajectory_writer",
+    "structured_writer": "gear_client.structured",
+    "checkpointers": "gear_client.checkpointers",
+    "item_selectors": "gear_contract.selectors",
+    "selectors": "gear_contract.selectors",
+    "rate_limiters": "gear_contract.rate_limiters",
+    "specs": "gear_contract.specs",
+    "trajectory_dataset": "gear_client.datasets",
+    "timestep_dataset": "gear_client.datasets",
+    "tf_client": "gear_client.tf_client",
+}
+
 
 def __getattr__(name: str) -> Any:
     target = _EXPORTS.get(name)
