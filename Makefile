@@ -10,7 +10,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 # Source-tree imports for machines without the venv (the GPU machine).
 GPU_ENV := PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1
 
-.PHONY: install test test-frameworks test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
+.PHONY: install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -86,6 +86,18 @@ $(REVERB_VENV)/.installed:
 
 bench-reverb: install $(REVERB_VENV)/.installed
 	$(VPY) bench/reverb/compare.py --reverb-python $(REVERB_VENV)/bin/python
+
+# TensorFlow learners (gear_client.tf_datasets, tf_client) in their own venv with tensorflow-cpu (about
+# 1.6 GB, so not part of `make test`, whose runs skip the `tf` tests); the README's TensorFlow block too.
+TF_VENV := .venv-tf
+$(TF_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TF_VENV)/bin/python -m pip install -q -e '.[dev,tf]'
+	touch $@
+
+test-tf: $(TF_VENV)/.installed
+	$(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/tf_learners tests/test_readme.py
 
 serve: install
 	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml

@@ -25,6 +25,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "SampleInfo": ("gear_client.replay_sample", "SampleInfo"),
     "TrajectoryDataset": ("gear_client.datasets", "TrajectoryDataset"),
     "TimestepDataset": ("gear_client.datasets", "TimestepDataset"),
+    "ReplayDataset": ("gear_client.tf_datasets", "ReplayDataset"),
+    "TFClient": ("gear_client.tf_client", "TFClient"),
     "ReverbError": ("gear_client.errors", "ReverbError"),
     "DeadlineExceededError": ("gear_client.errors", "DeadlineExceededError"),
     "selectors": ("gear_contract.selectors", None),
@@ -55,6 +57,15 @@ REVERB_MODULES: dict[str, str] = {
     "trajectory_dataset": "gear_client.datasets",
     "timestep_dataset": "gear_client.datasets",
     "tf_client": "gear_client.tf_client",
+    "dataset": "gear_client.tf_datasets",
+}
+
+# With TensorFlow installed, code that says `import reverb` (the alias) gets Reverb's tf.data datasets
+# under these names; `import gear_client as reverb` keeps the Python iterators (their
+# ``from_table_signature`` builds the tf.data one).
+TF_EXPORTS: dict[str, tuple[str, str]] = {
+    "TrajectoryDataset": ("gear_client.tf_datasets", "TrajectoryDataset"),
+    "TimestepDataset": ("gear_client.tf_datasets", "TimestepDataset"),
 }
 
 

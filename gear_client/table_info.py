@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, NamedTuple
 
 from gear_contract import specs
@@ -22,7 +23,9 @@ class TableWorkerTime(NamedTuple):
 class TableInfo:
     """A table's configuration and state (Reverb's ``reverb_types.TableInfo``).
 
-    ``signature`` is a nest of TensorSpec (None without one); the option and
+    ``signature`` is a nest of TensorSpec (None without one): ``tf.TensorSpec``
+    once the program has imported TensorFlow, gear's own otherwise (gear never
+    imports TensorFlow itself: it takes seconds); the option and
     rate-limiter fields are the gear.v1 messages (same field names as Reverb's).
     """
 
@@ -41,7 +44,7 @@ class TableInfo:
 
     @classmethod
     def from_proto(cls, proto: pb.TableInfo) -> TableInfo:
-        signature = specs.signature_from_proto(proto.signature) if proto.HasField("signature") else None
+        signature = _signature(proto.signature) if proto.HasField("signature") else None
         return cls(
             name=proto.name, sampler_options=proto.sampler_options, remover_options=proto.remover_options,
             max_size=int(proto.max_size), max_times_sampled=int(proto.max_times_sampled),
@@ -54,3 +57,13 @@ class TableInfo:
     @classmethod
     def from_serialized_proto(cls, proto_string: bytes) -> TableInfo:
         return cls.from_proto(pb.TableInfo.FromString(proto_string))
+
+
+def _signature(proto: pb.Signature) -> Any:
+    """The signature as a nest of specs: tf.TensorSpec where the program uses TensorFlow (as Reverb's)."""
+    signature = specs.signature_from_proto(proto)
+    if "tensorflow" in sys.modules:
+        from gear_client.tf_datasets import to_tf_signature
+
+        return to_tf_signature(signature)
+    return signature

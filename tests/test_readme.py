@@ -71,15 +71,24 @@ def test_the_readme_has_python_blocks():
     assert any("import reverb" in b.code for b in blocks)
 
 
-def test_every_python_block_of_the_readme_runs(tmp_path):
-    blocks = python_blocks(README.read_text())
-    run = [b for b in blocks if b.needs is None or _available(b.needs)]
-    skipped = [f"line {b.line} (needs {b.needs})" for b in blocks if b not in run]
+def _run(blocks: list[Block], folder: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ALIAS_SOURCE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps([(b.line, b.code) for b in run])],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps([(b.line, b.code) for b in blocks])],
+                            cwd=folder, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}"
-    assert result.stdout.count(": ok") == len(run)
-    if skipped:
-        pytest.skip(f"{len(run)} README blocks ran; skipped where missing: {', '.join(skipped)}")
+    assert result.stdout.count(": ok") == len(blocks)
+
+
+def test_every_python_block_that_needs_nothing_runs(tmp_path):
+    _run([b for b in python_blocks(README.read_text()) if b.needs is None], tmp_path)
+
+
+@pytest.mark.parametrize("need", sorted({b.needs for b in python_blocks(README.read_text()) if b.needs}))
+def test_the_blocks_that_need(need, tmp_path):
+    """The blocks marked with this need, after the blocks before them that need nothing (they build on them)."""
+    if not _available(need):
+        pytest.skip(f"README blocks that need {need}: {need} is missing here")
+    blocks = python_blocks(README.read_text())
+    last = max(b.line for b in blocks if b.needs == need)
+    _run([b for b in blocks if b.line <= last and b.needs in (None, need)], tmp_path)

@@ -2,8 +2,10 @@
 
 Every public name (``reverb.Client``, ``reverb.Table``...) is gear_client's, and
 Reverb's modules map to gear's (``from reverb import structured_writer``,
-``reverb.rate_limiters``...; gear_client.REVERB_MODULES lists them). Nothing is
-copied: this package only forwards, so it follows the installed gear.
+``reverb.rate_limiters``...; gear_client.REVERB_MODULES lists them). With
+TensorFlow installed, ``reverb.TrajectoryDataset`` and ``reverb.TimestepDataset``
+are Reverb's tf.data datasets (gear_client.tf_datasets), as Reverb code expects.
+Nothing is copied: this package only forwards, so it follows the installed gear.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -63,10 +66,20 @@ if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _AliasFinder())
 
 
+def _tensorflow_installed() -> bool:
+    return importlib.util.find_spec("tensorflow") is not None
+
+
 def __getattr__(name: str) -> Any:
     if name in gear_client.REVERB_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    return getattr(gear_client, name)
+    if name in gear_client.TF_EXPORTS and _tensorflow_installed():  # Reverb's datasets are tf.data ones
+        module, attribute = gear_client.TF_EXPORTS[name]
+        value = getattr(importlib.import_module(module), attribute)
+    else:
+        value = getattr(gear_client, name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
