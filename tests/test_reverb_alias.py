@@ -30,7 +30,7 @@ import importlib
 import gear_client
 assert reverb.Client is gear_client.Client and sw is gear_client.structured
 for name, module in gear_client.REVERB_MODULES.items():
-    if name != "tf_client" or importlib.util.find_spec("tensorflow") is not None:
+    if not module.startswith("gear_client.tf_") or importlib.util.find_spec("tensorflow") is not None:
         assert importlib.import_module("reverb." + name) is importlib.import_module(module), name
 
 server = reverb.Server(tables=[
