@@ -4,8 +4,12 @@ With a token configured every RPC must carry ``authorization: Bearer <token>``
 metadata; anything else is answered UNAUTHENTICATED before the servicer runs,
 so data-plane handles (segment paths, memory keys, session ids) only ever go
 to authenticated callers. The health service may stay open to probes
-(``public_health``). TLS uses a server certificate; a client CA turns on
-mutual TLS. See docs/SECURITY.md for a worked example.
+(``public_health``): without the token it answers only the server's overall
+status (service ``""``), per-service names need the token (gear_server/health.py).
+TLS uses a server certificate; a client CA turns on mutual TLS. See
+docs/SECURITY.md for a worked example.
+
+The interceptor is a grpc.aio one (the daemon serves on asyncio).
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ import hmac
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc import aio
 
 from gear_server.config import known_keys
+from gear_server.errors import shorten
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +108,19 @@ class AuthSettings:
             [(key, cert)], root_certificates=client_ca,
             require_client_auth=bool(client_ca) and self.require_client_cert)
 
-    def interceptors(self, on_denied: Callable[[str], None] | None = None) -> list[grpc.ServerInterceptor]:
-        """The server interceptors these settings need (none without a token)."""
+    def token_check(self) -> TokenCheck | None:
+        """The check of presented tokens (None: tokens are off, every caller is trusted)."""
         token = self.load_token()
-        if token is None:
+        return None if token is None else TokenCheck(token)
+
+    def interceptors(self, on_denied: Callable[[str], None] | None = None,
+                     check: TokenCheck | None = None) -> list[aio.ServerInterceptor]:
+        """The server interceptors these settings need (none without a token)."""
+        check = check or self.token_check()
+        if check is None:
             return []
         exempt = (HEALTH_PREFIX,) if self.public_health else ()
-        return [BearerTokenInterceptor(token, exempt_prefixes=exempt, on_denied=on_denied)]
+        return [BearerTokenInterceptor(check, exempt_prefixes=exempt, on_denied=on_denied)]
 
     def describe(self) -> str:
         """One log-friendly line (never the token)."""
@@ -129,64 +141,64 @@ def _read(path: str | None, key: str) -> bytes:
         raise ValueError(f"[auth] {key} {path}: {exc.strerror or exc}") from exc
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Answer UNAUTHENTICATED to any call whose ``authorization`` metadata is not ``Bearer <token>``."""
+class TokenCheck:
+    """Whether call metadata carries ``authorization: Bearer <token>`` (compared in constant time)."""
 
-    def __init__(self, token: str, *, exempt_prefixes: tuple[str, ...] = (),
-                 on_denied: Callable[[str], None] | None = None) -> None:
+    def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("empty bearer token")
         self._expected = f"Bearer {token}".encode()
+
+    def presented(self, metadata: Iterable[tuple[str, Any]] | None) -> bytes | None:
+        for key, value in metadata or ():
+            if key == "authorization":
+                return value.encode() if isinstance(value, str) else value
+        return None
+
+    def accepts(self, presented: bytes | None) -> bool:
+        # Constant-time comparison: the answer's timing says nothing about the token.
+        return presented is not None and hmac.compare_digest(presented, self._expected)
+
+    def authenticated(self, metadata: Iterable[tuple[str, Any]] | None) -> bool:
+        return self.accepts(self.presented(metadata))
+
+
+class BearerTokenInterceptor(aio.ServerInterceptor):
+    """Answer UNAUTHENTICATED to any call whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str | TokenCheck, *, exempt_prefixes: tuple[str, ...] = (),
+                 on_denied: Callable[[str], None] | None = None) -> None:
+        self._check = token if isinstance(token, TokenCheck) else TokenCheck(token)
         self._exempt = exempt_prefixes
         self._on_denied = on_denied
-        self._refusals: dict[tuple[str, str], grpc.RpcMethodHandler | None] = {}  # built once per method
+        self._refusals: dict[tuple[str, str], grpc.RpcMethodHandler] = {}  # built once per method
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if self._exempt and method.startswith(self._exempt):
-            return continuation(handler_call_details)
-        presented = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value.encode() if isinstance(value, str) else value
-                break
-        # Constant-time comparison: the answer's timing says nothing about the token.
-        if presented is not None and hmac.compare_digest(presented, self._expected):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        presented = self._check.presented(handler_call_details.invocation_metadata)
+        if self._check.accepts(presented):
+            return await continuation(handler_call_details)
         if self._on_denied is not None:
             self._on_denied(method)
         reason = "missing bearer token" if presented is None else "wrong bearer token"
         refusal = self._refusals.get((method, reason))
         if refusal is None:
-            refusal = _refusal(continuation(handler_call_details), f"{method}: {reason}")
+            refusal = _refusal(await continuation(handler_call_details), f"{shorten(method)}: {reason}")
             if len(self._refusals) > 4096:  # method names come from callers: keep the cache bounded
                 self._refusals.clear()
             self._refusals[(method, reason)] = refusal
         return refusal
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler | None:
-    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED (reads no request)."""
+    async def abort(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
     if handler is None:  # unknown method: refused too, so callers cannot probe for method names
-        return grpc.unary_unary_rpc_method_handler(_abort_unary(message))
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_abort_stream(message))
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_abort_unary(message))
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_abort_stream(message))
-    return grpc.unary_unary_rpc_method_handler(_abort_unary(message))
-
-
-def _abort_unary(message: str):
-    def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-    return abort
-
-
-def _abort_stream(message: str):
-    def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover (a generator, as streaming handlers must be)
-    return abort
-
+        return grpc.unary_unary_rpc_method_handler(abort)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[(handler.request_streaming, handler.response_streaming)](abort)

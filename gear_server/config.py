@@ -6,7 +6,7 @@ Schema (deploy/gear-server.example.toml shows every key)::
     port = 8000                    # 0: any free port
     shm_dir = "/dev/shm"           # where the tables' segments live
     instance_name = "gear"         # prefix of this daemon's segment names
-    max_workers = 64               # gRPC worker threads (streams waiting on a rate limiter hold one)
+    max_workers = 8                # threads for table work (copies, selection); waiting calls hold none
 
     [[tables]]
     name = "replay"
@@ -30,7 +30,7 @@ Schema (deploy/gear-server.example.toml shows every key)::
     max_size = 1000
 
 Operations sections (``[checkpoint]``, ``[metrics]``, ``[auth]``, ``[logging]``,
-``[data_planes]``) are
+``[data_planes]``, ``[limits]``) are
 parsed by their own modules (``<module>.<Settings>.from_toml(section)``).
 
 Every mistake is a ``ConfigError`` (a ValueError) naming the key and the table.
@@ -54,7 +54,7 @@ __all__ = ["ConfigError", "DaemonSettings", "load_config", "parse_config", "tabl
 DEFAULT_BIND_ADDRESS = "[::]"
 DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_INSTANCE = "gear"
-DEFAULT_MAX_WORKERS = 64
+DEFAULT_MAX_WORKERS = 8
 
 # section -> (module, settings class) of each operations concern.
 OPERATION_SECTIONS: dict[str, tuple[str, str]] = {
@@ -63,6 +63,7 @@ OPERATION_SECTIONS: dict[str, tuple[str, str]] = {
     "auth": ("gear_server.auth", "AuthSettings"),
     "logging": ("gear_server.logs", "LoggingSettings"),
     "data_planes": ("gear_server.data_planes.settings", "DataPlaneSettings"),
+    "limits": ("gear_server.limits", "LimitSettings"),
 }
 
 _SERVER_KEYS = {"bind_address", "port", "shm_dir", "instance_name", "max_workers", "tables"}
@@ -85,6 +86,7 @@ class DaemonSettings:
     auth: Any = None
     logging: Any = None
     data_planes: Any = None
+    limits: Any = None
     source: str | None = None  # the file it came from, for log lines
     extra: dict[str, Any] = field(default_factory=dict)  # operations sections whose module is absent
 

@@ -6,28 +6,40 @@ into one place: ``build_tables()`` (clean stale segments, create tables),
 extra services), ``bind()`` (address and credentials), ``start()`` and
 ``stop()``. ``serve()`` runs it in the foreground until ``request_stop()``
 (SIGTERM/SIGINT with ``install_signal_handlers``).
+
+The gRPC server is grpc.aio on an event loop thread of its own (``LoopThread``):
+every call is a task there, so idle streams and calls waiting on a rate limiter
+cost memory, not threads; table work runs on ``TableCalls``' bounded pool
+(``max_workers`` threads).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
 import time
-from concurrent import futures
 from typing import Any
 
 import grpc
+from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
 from gear_contract.channel import CHANNEL_OPTIONS
 from gear_server import __version__, sd_notify
 from gear_server.config import DaemonSettings
+from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.data_planes.rdma_server import RdmaServer
+from gear_server.data_planes.settings import DataPlaneSettings
+from gear_server.event_loop import LoopThread
+from gear_server.limits import LimitSettings
 from gear_server.operations import Operations
 from gear_server.service import ReplayService
 from gear_server.storage import SegmentStore
+from gear_server.table_calls import TableCalls
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +62,7 @@ def host_id() -> str:
     return local_host_id()
 
 
-def _add_port(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+def _add_port(server: aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
     """The bound port, or 0 when the address cannot be bound (gRPC raises or returns 0 by version)."""
     try:
         if credentials is not None:  # TLS / mutual TLS ([auth] section)
@@ -72,8 +84,12 @@ class Daemon:
         self.store: SegmentStore | None = None
         self.tables: dict[str, Any] = {}
         self.service: ReplayService | None = None
-        self.server: grpc.Server | None = None
+        self.server: aio.Server | None = None
         self.port: int | None = None
+        self.limits: LimitSettings = settings.limits or LimitSettings()
+        self.calls: TableCalls | None = None
+        self.loop: LoopThread | None = None
+        self._keep_alive: asyncio.Task | None = None
         self.host_id = host_id()
         self._stop_requested = threading.Event()
         self._stopped = threading.Event()
@@ -98,40 +114,48 @@ class Daemon:
         return self.ops.restore(tables, lambda config: Table(config, self.store, seed=self.seed))
 
     def build_service(self) -> ReplayService:
-        return ReplayService(self.tables, host_id=self.host_id, version=__version__,
-                             checkpoint=self.checkpoint_function(), data_planes=self.build_data_planes(),
-                             metrics=self.ops.metrics)
+        planes = self.build_data_planes()
+        self.ops.attach_data_planes(planes)
+        return ReplayService(self.tables, self.calls, host_id=self.host_id, version=__version__,
+                             checkpoint=self.checkpoint_function(), data_planes=planes, metrics=self.ops.metrics,
+                             limits=self.limits)
 
     def checkpoint_function(self):
         """The callable behind the Checkpoint RPC (None: UNIMPLEMENTED)."""
         return self.ops.checkpoint_function()
 
-    def build_data_planes(self) -> Any:
-        """The learner data-plane manager, when this build has one."""
-        try:
-            from gear_server.data_planes.manager import DataPlaneManager
-        except ImportError:
-            return None
-        manager = DataPlaneManager(self.tables, self.host_id, settings=self.settings.data_planes)
+    def build_data_planes(self) -> DataPlaneManager:
+        """The learner data-plane manager (RDMA when configured and this host has a device and pyverbs)."""
+        settings = self.settings.data_planes or DataPlaneSettings()
+        rdma, rdma_off = RdmaServer.open(settings)
+        manager = DataPlaneManager(self.tables, self.host_id, self.calls, rdma=rdma, rdma_off=rdma_off,
+                                   settings=settings)
         log.info("%s", manager.report.line())
-        self.ops.attach_data_planes(manager)
         return manager
 
     def server_options(self) -> list[tuple[str, Any]]:
         return list(GRPC_OPTIONS)
 
-    def interceptors(self) -> list[grpc.ServerInterceptor]:
-        return self.ops.interceptors()
+    def interceptors(self) -> list[aio.ServerInterceptor]:
+        return self.ops.interceptors(self.limits)
 
-    def build_server(self) -> grpc.Server:
-        """The gRPC server with the replay service (and any extra services) registered."""
-        executor = futures.ThreadPoolExecutor(max_workers=self.settings.max_workers, thread_name_prefix="gear-rpc")
-        server = grpc.server(executor, options=self.server_options(), interceptors=self.interceptors())
+    def build_server(self) -> aio.Server:
+        """The grpc.aio server with the replay service (and any extra services) registered; on the loop."""
+        server = aio.server(options=self.server_options(), interceptors=self.interceptors())
         self.service.add_to_server(server)
         self.ops.add_services(server)
         return server
 
-    def bind(self, server: grpc.Server) -> int:
+    async def _serve(self) -> int:
+        """Build, bind and start the server (on the loop); returns the bound port."""
+        self.server = self.build_server()
+        port = self.bind(self.server)
+        await self.server.start()
+        # WatchdogSec= in the unit: the keep-alives come from this loop, so a wedged loop gets the service restarted.
+        self._keep_alive = asyncio.get_running_loop().create_task(sd_notify.keep_alive_forever())
+        return port
+
+    def bind(self, server: aio.Server) -> int:
         """Bind the configured address; returns the port (the one picked when port is 0)."""
         host = self.config.bind_address or "[::]"
         credentials = self.ops.server_credentials()
@@ -152,12 +176,13 @@ class Daemon:
         tune_allocator(mmap_threshold=64 << 20, trim_threshold=512 << 20, opt_in=False)
         try:
             self.tables = self.build_tables()
+            self.calls = TableCalls(self.settings.max_workers)
             self.service = self.build_service()
-            self.server = self.build_server()
-            self.port = self.bind(self.server)
-            self.server.start()
+            self.loop = LoopThread("gear-serve")
+            self.port = self.loop.run(self._serve())
         except BaseException:
             self._shutdown_data_planes()  # its lease reaper thread is running
+            self._stop_server(0)
             self._close_tables()
             self._release()
             self._stopped.set()
@@ -183,23 +208,36 @@ class Daemon:
         log.info("stopping")
         started = time.monotonic()
         self.ops.stopping()
-        if self.service is not None:
-            self.service.stopping()
         self._shutdown_data_planes()  # end learner sessions (their blocked Selects return) and RDMA resources
-        done = self.server.stop(grace) if self.server is not None else None
+        done = None
+        if self.server is not None and self.loop is not None and self.loop.alive:
+            done = self.loop.submit(self.server.stop(grace))
         if done is not None and self.ops.checkpointer is not None:
-            done.wait(grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
+            _wait(done, grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
         self.ops.final_checkpoint()
-        self._close_tables()
+        self._close_tables()  # calls still waiting on a table end (TableClosedError)
         if done is not None:
-            done.wait(grace + 5.0)
+            _wait(done, grace + 5.0)
+        self._stop_server(0)
         self._release()
         self.ops.stopped()
         log.info("stopped in %.2f s", time.monotonic() - started)
 
+    def _stop_server(self, grace: float) -> None:
+        """Stop the server (if it started), the event loop and the table pool."""
+        if self.loop is not None:
+            if self.server is not None and self.loop.alive:
+                try:
+                    self.loop.run(self.server.stop(grace), timeout=grace + 5.0)
+                except Exception:  # noqa: BLE001 (stopping anyway)
+                    log.exception("stopping the gRPC server failed")
+            self.loop.stop()
+        if self.calls is not None:
+            self.calls.shutdown()
+
     def _shutdown_data_planes(self) -> None:
         planes = self.service.data_planes if self.service is not None else None
-        if planes is not None and hasattr(planes, "shutdown"):
+        if planes is not None:
             planes.shutdown()
 
     def _close_tables(self) -> None:
@@ -237,7 +275,7 @@ class Daemon:
             if on_started is not None:
                 on_started(self)
             while not self._stop_requested.wait(0.5):
-                sd_notify.keep_alive()  # WatchdogSec= in the unit: a wedged loop gets the service restarted
+                pass
         finally:
             self.stop()
             for sig, handler in previous.items():
@@ -252,3 +290,11 @@ class Daemon:
 
     def address(self, host: str = "localhost") -> str:
         return f"{host}:{self.port}"
+
+
+def _wait(future, timeout: float) -> None:
+    """Wait for a concurrent future, whatever it ends with."""
+    try:
+        future.result(timeout)
+    except Exception:  # noqa: BLE001 (a timeout or a failed stop: the caller goes on stopping)
+        pass

@@ -26,6 +26,8 @@ from gear_contract._proto import replay_pb2 as pb
 
 # Structure nesting deeper than this is refused (a request must not exhaust the stack).
 MAX_STRUCTURE_DEPTH = 64
+# numpy arrays have at most 64 dimensions.
+MAX_RANK = 64
 
 # dtype kinds that may cross the wire and live in a table: bool, ints, floats, complex, fixed strings.
 _ALLOWED_KINDS = frozenset("biufcSU")
@@ -59,6 +61,8 @@ def tensor_to_array(tensor: pb.Tensor, where: str, min_rank: int = 0) -> np.ndar
     """A read-only array over a Tensor's raw buffer, after checking dtype, shape and size."""
     dtype = dtype_from_wire(tensor.dtype, where)
     shape = tuple(tensor.shape)
+    if len(shape) > MAX_RANK:
+        raise BadRequest(f"{where}: rank {len(shape)} > {MAX_RANK} (the most dimensions an array may have)")
     if len(shape) < min_rank:
         raise BadRequest(f"{where}: rank {len(shape)} < {min_rank} (the first dimension counts steps)")
     if any(d < 0 for d in shape):

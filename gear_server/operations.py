@@ -4,9 +4,9 @@
 
 * ``restore(tables, make_table)`` after the tables are built: the newest good
   checkpoint replaces them (falling back to older ones, logging why);
-* ``interceptors()``, ``add_services(server)`` and ``server_credentials()``
-  while it builds and binds the gRPC server (token check, RPC counting,
-  health and reflection, TLS);
+* ``interceptors(limits)``, ``add_services(server)`` and ``server_credentials()``
+  while it builds and binds the gRPC server (RPC counting, token check, call
+  limits and request parsing, health and reflection, TLS);
 * ``started(daemon)`` once the port serves: health SERVING, ``READY=1`` to
   systemd, the metrics endpoint, periodic checkpoints;
 * ``stopping()`` first thing in ``stop()``, ``final_checkpoint()`` after the
@@ -27,13 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server import health, sd_notify
-from gear_server.auth import AuthSettings
+from gear_server.auth import AuthSettings, TokenCheck
 from gear_server.checkpoint import Checkpointer, CheckpointError, CheckpointSettings, TableState
+from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.interceptors import CallGuard, RpcObserver
+from gear_server.limits import LimitSettings
 from gear_server.logs import ErrorSummary, LoggingSettings
-from gear_server.metrics import MetricsServer, MetricsSettings, RpcObserver, ServerMetrics
+from gear_server.metrics import MetricsServer, MetricsSettings, ServerMetrics
 
 log = logging.getLogger("gear_server.operations")
 
@@ -79,7 +83,8 @@ class Operations:
         self.checkpointer = Checkpointer(Path(cs.dir).expanduser().absolute(), keep=cs.keep) if cs.dir else None
         if settings.checkpoint is not None and self.checkpointer is None:
             log.warning("[checkpoint] names no dir: checkpoints are off")
-        self.health: health.HealthServicer | None = None
+        self.health: health.Health | None = None
+        self.token: TokenCheck | None = self.auth.token_check()
         self.metrics_server: MetricsServer | None = None
         self.restored_from: Path | None = None
         self._periodic: threading.Thread | None = None
@@ -158,21 +163,19 @@ class Operations:
                  time.monotonic() - started)
         return merged
 
-    def attach_data_planes(self, manager: Any) -> None:
+    def attach_data_planes(self, manager: DataPlaneManager) -> None:
         """Count the manager's selections and read its open sessions for the metrics."""
         manager.metrics = self.metrics
-        counts = getattr(manager.sessions, "counts_by_kind", None)
-        if counts is not None:
-            self.metrics.watch_sessions(counts)
+        self.metrics.watch_sessions(manager.sessions.counts_by_kind)
 
-    def interceptors(self) -> list[grpc.ServerInterceptor]:
-        """RPC counting first (it sees refused calls too), then the token check."""
+    def interceptors(self, limits: LimitSettings) -> list[aio.ServerInterceptor]:
+        """RPC counting first (it sees refused calls too), then the token check, then call limits and parsing."""
         return [RpcObserver(self.metrics, on_error=self.errors.record),
-                *self.auth.interceptors(self.metrics.auth_denied)]
+                *self.auth.interceptors(self.metrics.auth_denied, self.token), CallGuard(limits)]
 
-    def add_services(self, server: grpc.Server) -> None:
-        """Health (NOT_SERVING until ``started``) and reflection."""
-        self.health = health.add_to_server(server, [health.REPLAY_SERVICE])
+    def add_services(self, server: aio.Server) -> None:
+        """Health (NOT_SERVING until ``started``) and reflection; on the server's event loop."""
+        self.health = health.add_to_server(server, [health.REPLAY_SERVICE], self.token)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         return self.auth.server_credentials()

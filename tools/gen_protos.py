@@ -17,14 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 OUT_DIR = ROOT / "gear_contract" / "_proto"
-# (proto path relative to protos/, module stem in gear_contract/_proto/). The
-# grpc/ protos are the standard health and reflection services (gear_server/health.py);
-# the two reflection versions share a file name, hence the explicit stems.
+# (proto path relative to protos/, module stem in gear_contract/_proto/). Health and
+# reflection come from their libraries (grpcio-health-checking, grpcio-reflection).
 PROTOS = [
     ("gear/v1/replay.proto", "replay"),
-    ("grpc/health/v1/health.proto", "health"),
-    ("grpc/reflection/v1/reflection.proto", "reflection_v1"),
-    ("grpc/reflection/v1alpha/reflection.proto", "reflection_v1alpha"),
 ]
 
 

@@ -512,21 +512,23 @@ class ItemRef(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelectRequest(_message.Message):
-    __slots__ = ("session_id", "num_samples", "timeout_ms", "packed", "release_lease_ids")
+    __slots__ = ("session_id", "num_samples", "timeout_ms", "packed", "release_lease_ids", "num_batches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_samples: int
     timeout_ms: int
     packed: bool
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_batches: int
+    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., num_batches: _Optional[int] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
-    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids")
+    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids", "batch_lease_ids", "batch_sizes")
     REFS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -542,6 +544,8 @@ class SelectResponse(_message.Message):
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     STALE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     refs: _containers.RepeatedCompositeFieldContainer[ItemRef]
     info: _containers.RepeatedCompositeFieldContainer[SampleInfo]
     layout_version: int
@@ -557,7 +561,9 @@ class SelectResponse(_message.Message):
     priorities: Tensor
     times_sampled: Tensor
     stale_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    batch_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ..., batch_lease_ids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")

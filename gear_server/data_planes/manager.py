@@ -13,6 +13,7 @@ so a learner that dies leaks nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -21,44 +22,48 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc import aio
 
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.data_planes.offers import gpu_off_reason, plane_report
-from gear_server.data_planes.sessions import SessionNotFoundError, SessionRegistry, peer_identity
+from gear_server.data_planes.rdma_server import RdmaServer
+from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
 from gear_server.data_planes.settings import DataPlaneSettings
-from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError, TableNotFoundError
+from gear_server.statuses import abort_for, find_table
+from gear_server.table_calls import JoinedSelection, TableCalls
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 600.0
-MAX_SELECT = 1 << 20  # items per Select
+MAX_SELECT = 1 << 20  # items per Select (all its batches together)
 
 
 class DataPlaneManager:
     """Sessions and leases of learner data planes over a daemon's tables."""
 
-    def __init__(self, tables: Mapping[str, Any], host_id: str, *, rdma: Any = "auto",
-                 lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 reap_interval_s: float | None = None, settings: DataPlaneSettings | None = None):
+    def __init__(self, tables: Mapping[str, Any], host_id: str, calls: TableCalls, *, rdma: RdmaServer | None = None,
+                 rdma_off: str | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, reap_interval_s: float | None = None,
+                 settings: DataPlaneSettings | None = None):
+        """``rdma``: the daemon's RDMA server (``RdmaServer.open``), or None and ``rdma_off`` saying why."""
         self.tables = tables  # the daemon's dict: tables added later are seen
         self.host_id = host_id
         settings = settings or DataPlaneSettings()
-        rdma_off = None
-        if rdma == "auto":
-            from gear_server.data_planes.rdma_server import RdmaServer
-
-            rdma, rdma_off = RdmaServer.open(settings)
-        elif rdma is None:
-            rdma_off = "not attached"
+        self.calls = calls
         self.rdma = rdma
+        if rdma is None and rdma_off is None:
+            rdma_off = "not attached"
         self.report = plane_report(rdma_off, gpu_off_reason())  # the daemon logs report.line() at start
         self.metrics: Any = None  # gear_server.metrics.ServerMetrics, set by the daemon
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
                                         max_sessions=settings.max_sessions,
                                         max_sessions_per_peer=settings.max_sessions_per_peer,
                                         on_close=self._on_session_closed)
+        # Selects waiting on a rate limiter, by session: a closed session cancels them.
+        self._selects: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Task]]] = {}
+        self._selects_lock = threading.Lock()
         self._stop = threading.Event()
         interval = reap_interval_s if reap_interval_s is not None else min(1.0, lease_timeout_s / 4)
         self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="gear-lease-reaper",
@@ -85,7 +90,11 @@ class DataPlaneManager:
         if self.rdma is not None:
             self.rdma.close()
 
-    def _on_session_closed(self, session) -> None:
+    def _on_session_closed(self, session: Session) -> None:
+        with self._selects_lock:
+            waiting = self._selects.pop(session.session_id, ())
+        for loop, task in waiting:
+            loop.call_soon_threadsafe(task.cancel)
         if session.resources is not None and self.rdma is not None:
             try:
                 self.rdma.close_session(session.resources)
@@ -93,29 +102,33 @@ class DataPlaneManager:
                 log.exception("closing RDMA resources of session %s failed", session.session_id)
 
     # ---------------------------------------------------------------- helpers
-    def _table(self, name: str, context: grpc.ServicerContext) -> Any:
-        table = self.tables.get(name)
-        if table is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(TableNotFoundError(name)))
-        return table
-
-    def _session(self, session_id: str, context: grpc.ServicerContext):
+    async def _session(self, session_id: str, context: aio.ServicerContext) -> Session:
         try:
             return self.sessions.get(session_id)
         except SessionNotFoundError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
 
     def _timeouts(self) -> dict[str, int]:
         return {"lease_timeout_ms": int(self.sessions.lease_timeout_s * 1000),
                 "session_idle_timeout_ms": int(self.sessions.idle_timeout_s * 1000)}
 
     # ---------------------------------------------------------------- RPCs
-    def open(self, request: pb.OpenDataPlaneRequest, context: grpc.ServicerContext) -> pb.OpenDataPlaneResponse:
-        table = self._table(request.table, context)
+    async def open(self, request: pb.OpenDataPlaneRequest, context: aio.ServicerContext) -> pb.OpenDataPlaneResponse:
+        table = await find_table(self.tables, request.table, context)
         try:
             kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None)
         except negotiation.NoCommonPlaneError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        peer = peer_identity(context)
+        try:
+            return await self.calls.run(self._open, table, kind, request, peer)
+        except OverflowError as exc:  # every session slot is taken
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            await abort_for(context, exc)
+
+    def _open(self, table: Any, kind: str, request: pb.OpenDataPlaneRequest, peer: str) -> pb.OpenDataPlaneResponse:
+        """Open a session of ``kind`` (on the pool: RDMA resources take device calls)."""
         layout = table.layout()
         if kind == negotiation.INLINE:
             response = pb.OpenDataPlaneResponse(kind=kind, **self._timeouts())
@@ -131,18 +144,18 @@ class DataPlaneManager:
             except ValueError as exc:
                 if resources is not None:
                     self.rdma.close_session(resources)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RDMA endpoint refused: {exc}")
+                raise ValueError(f"RDMA endpoint refused: {exc}") from exc
             except Exception as exc:  # noqa: BLE001 - the device failed: serve the learner inline
                 if resources is not None:
                     self.rdma.close_session(resources)
                 log.warning("RDMA connection for table '%s' failed, answering inline: %s", table.name, exc)
                 return pb.OpenDataPlaneResponse(kind=negotiation.INLINE, **self._timeouts())
         try:
-            session = self.sessions.create(table, kind, resources, peer=peer_identity(context))
-        except OverflowError as exc:
+            session = self.sessions.create(table, kind, resources, peer=peer)
+        except OverflowError:
             if resources is not None:
                 self.rdma.close_session(resources)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise
         response = pb.OpenDataPlaneResponse(session_id=session.session_id, kind=kind, **self._timeouts())
         if layout is not None:
             session.layout_version = layout.version
@@ -153,57 +166,92 @@ class DataPlaneManager:
             response.region.CopyFrom(region)
         return response
 
-    def select(self, request: pb.SelectRequest, context: grpc.ServicerContext) -> pb.SelectResponse:
+    async def select(self, request: pb.SelectRequest, context: aio.ServicerContext) -> pb.SelectResponse:
         """Lease ``num_samples`` items (fewer only if the timeout passes after some were picked).
 
-        Blocks on the table's rate limiter like the Sample RPC; gives up (CANCELLED)
-        when the RPC ends or the session is closed meanwhile.
+        Waits on the table's rate limiter like the Sample RPC; gives up (CANCELLED)
+        when the RPC ends or the session is closed meanwhile. With ``num_batches`` > 1,
+        further batches of ``num_samples`` follow in the same answer as long as the
+        rate limiter allows them at once (each batch its own lease).
         """
-        session = self._session(request.session_id, context)
+        session = await self._session(request.session_id, context)
         n = int(request.num_samples)
-        if n < 1 or n > MAX_SELECT:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_samples ({n}) must be in [1, {MAX_SELECT}]")
+        batches = max(1, int(request.num_batches))
+        if n < 1 or n * batches > MAX_SELECT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"num_samples ({n}) x num_batches ({batches}) must be in [1, {MAX_SELECT}]")
         stale = self.sessions.release(session, request.release_lease_ids) if request.release_lease_ids else []
         table = session.table
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
-        ended = threading.Event()
-
-        def on_done() -> None:
-            ended.set()
-            table.wake_waiters()
-
-        if not context.add_callback(on_done):
-            ended.set()
         started = time.perf_counter()
         try:
-            selection = table.sample(n, timeout=timeout, abandoned=lambda: ended.is_set() or session.closed)
-        except CallCancelled:
-            context.abort(grpc.StatusCode.CANCELLED, "select cancelled (call ended or session closed)")
-        except RateLimiterTimeout as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or f"rate limiter of '{table.name}' timed out")
-        except TableClosedError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "table closed")
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            picked = [await self._pick(session, n, timeout)]
+        except asyncio.CancelledError:
+            if session.closed and not _being_cancelled():
+                await context.abort(grpc.StatusCode.CANCELLED, "select cancelled (the session was closed)")
+            raise
+        except Exception as e:  # noqa: BLE001
+            await abort_for(context, e)
+        while len(picked) < batches and table.can_sample(n):
+            try:
+                picked.append(await self._pick(session, n, 0.0))
+            except asyncio.CancelledError:
+                if session.closed and not _being_cancelled():
+                    break  # the answer below finds the session closed
+                raise
+            except Exception:  # noqa: BLE001 (another sampler was faster: answer the batches we have)
+                break
         if self.metrics is not None:
-            self.metrics.plane_selected(table, session.kind, selection, time.perf_counter() - started)
-        lease_id = self.sessions.add_lease(session, [selection.lease_id], selection.slots, selection.generations)
-        if lease_id is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
-        if ended.is_set():  # cancelled meanwhile (a learner closing its pipeline): nobody will release it
-            self.sessions.release(session, [lease_id])
-            context.abort(grpc.StatusCode.CANCELLED, "select cancelled (call ended)")
-        if request.packed:
-            response = build_packed_select_response(selection, lease_id)
-        else:
-            response = build_select_response(selection, lease_id)
+            for selection in picked:
+                self.metrics.plane_selected(table, session.kind, selection, time.perf_counter() - started)
+        lease_ids = []
+        for selection in picked:
+            lease_id = self.sessions.add_lease(session, selection.lease_ids, selection.slots, selection.generations)
+            if lease_id is None:  # the session closed meanwhile
+                self.sessions.release(session, lease_ids)
+                for rest in picked[len(lease_ids):]:
+                    for table_lease in rest.lease_ids:
+                        table.release(table_lease)
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
+            lease_ids.append(lease_id)
+        joined = picked[0] if len(picked) == 1 else JoinedSelection([p for s in picked for p in s.parts])
+        response = build_packed_select_response(joined, lease_ids[0])
+        if batches > 1:
+            response.batch_lease_ids.extend(lease_ids)
+            response.batch_sizes.extend(len(s) for s in picked)
         response.stale_lease_ids.extend(stale)
-        if selection.layout_version != session.layout_version:
-            self._send_layout(session, table, response, context)
+        if joined.layout_version != session.layout_version:
+            try:
+                self._send_layout(session, table, response, context)
+            except OSError as exc:
+                self.sessions.release(session, lease_ids)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return response
 
-    def _send_layout(self, session, table: Any, response: pb.SelectResponse, context: grpc.ServicerContext) -> None:
-        """Attach the table's current layout (a growth copies every slot, so it addresses the refs too)."""
+    async def _pick(self, session: Session, n: int, timeout: float | None) -> JoinedSelection:
+        """``n`` items of the session's table; cancelled (CancelledError) if the session closes while it waits."""
+        task = asyncio.ensure_future(self.calls.sample(session.table, n, timeout))
+        entry = (asyncio.get_running_loop(), task)
+        with self._selects_lock:
+            self._selects.setdefault(session.session_id, set()).add(entry)
+        if session.closed:  # closed before it registered
+            task.cancel()
+        try:
+            return await task
+        finally:
+            with self._selects_lock:
+                waiting = self._selects.get(session.session_id)
+                if waiting is not None:
+                    waiting.discard(entry)
+                    if not waiting:
+                        del self._selects[session.session_id]
+
+    def _send_layout(self, session: Session, table: Any, response: pb.SelectResponse,
+                     context: aio.ServicerContext) -> None:
+        """Attach the table's current layout (a growth copies every slot, so it addresses the refs too).
+
+        OSError when the grown segment cannot be registered for RDMA.
+        """
         layout = table.layout()
         response.layout_version = layout.version
         response.layout.CopyFrom(layout.to_proto())
@@ -211,35 +259,18 @@ class DataPlaneManager:
             try:
                 response.region.CopyFrom(self.rdma.attach(session.resources, layout))
             except Exception as exc:  # noqa: BLE001
-                self.sessions.release(session, [response.lease_id])
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"registering the grown segment for RDMA failed: {exc}")
+                raise OSError(f"registering the grown segment for RDMA failed: {exc}") from exc
         session.layout_version = layout.version
 
-    def release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        session = self._session(request.session_id, context)
+    async def release(self, request: pb.ReleaseRequest, context: aio.ServicerContext) -> pb.ReleaseResponse:
+        session = await self._session(request.session_id, context)
         stale = self.sessions.release(session, request.lease_ids)
         return pb.ReleaseResponse(stale_lease_ids=stale)
 
-    def close(self, request: pb.CloseDataPlaneRequest, context: grpc.ServicerContext) -> pb.CloseDataPlaneResponse:
-        self.sessions.close(request.session_id)  # closing twice is harmless
+    async def close(self, request: pb.CloseDataPlaneRequest,
+                    context: aio.ServicerContext) -> pb.CloseDataPlaneResponse:
+        await self.calls.run(self.sessions.close, request.session_id)  # closing twice is harmless
         return pb.CloseDataPlaneResponse()
-
-
-def build_select_response(selection: Any, lease_id: int) -> pb.SelectResponse:
-    """Item references and SampleInfos of a leased selection."""
-    lengths = np.asarray(selection.lengths, dtype=np.int32)
-    lengths = lengths.reshape(len(selection.slots), -1)
-    response = pb.SelectResponse(layout_version=int(selection.layout_version), lease_id=int(lease_id))
-    refs = response.refs
-    for slot, gen, lens in zip(selection.slots.tolist(), selection.generations.tolist(), lengths.tolist(),
-                               strict=True):
-        refs.add(slot=slot, generation=gen, lengths=lens)
-    infos = response.info
-    for k, p, s, q, t in zip(selection.keys.tolist(), selection.probabilities.tolist(),
-                             selection.table_sizes.tolist(), selection.priorities.tolist(),
-                             selection.times_sampled.tolist(), strict=True):
-        infos.add(key=k, probability=p, table_size=s, priority=q, times_sampled=t)
-    return response
 
 
 def _tensor(array: np.ndarray, dtype: str) -> pb.Tensor:
@@ -247,8 +278,8 @@ def _tensor(array: np.ndarray, dtype: str) -> pb.Tensor:
     return pb.Tensor(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
 
 
-def build_packed_select_response(selection: Any, lease_id: int) -> pb.SelectResponse:
-    """The packed form: every per-item field as one raw little-endian array."""
+def build_packed_select_response(selection: JoinedSelection, lease_id: int) -> pb.SelectResponse:
+    """Every per-item field of the selection as one raw little-endian array (item i at index i)."""
     n = len(selection.slots)
     return pb.SelectResponse(
         layout_version=int(selection.layout_version), lease_id=int(lease_id),
@@ -258,3 +289,9 @@ def build_packed_select_response(selection: Any, lease_id: int) -> pb.SelectResp
         table_sizes=_tensor(selection.table_sizes, "<i8"), priorities=_tensor(selection.priorities, "<f8"),
         times_sampled=_tensor(selection.times_sampled, "<i4"),
     )
+
+
+def _being_cancelled() -> bool:
+    """The running task itself is being cancelled (its RPC ended), not only a task it awaited."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

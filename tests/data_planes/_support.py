@@ -52,7 +52,7 @@ class PlaneDaemon(Daemon):
         self.manager: DataPlaneManager | None = None
 
     def build_data_planes(self) -> DataPlaneManager:
-        self.manager = DataPlaneManager(self.tables, self.host_id, **self.manager_kwargs)
+        self.manager = DataPlaneManager(self.tables, self.host_id, self.calls, **self.manager_kwargs)
         return self.manager
 
     def stop(self, grace: float = 1.0) -> None:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from gear_client.data_planes.sampler import PlaneSampler
+from gear_client.data_planes.session import parse_select
 from gear_contract import negotiation as neg
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
@@ -114,7 +115,7 @@ def test_refusals_carry_the_right_status_and_the_daemon_keeps_serving(daemon, st
             stub.Select(pb.SelectRequest(session_id=session, num_samples=n), timeout=RPC_S)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     resp = stub.Select(pb.SelectRequest(session_id=session, num_samples=4), timeout=RPC_S)
-    assert len(resp.refs) == 4 and len(resp.info) == 4
+    assert len(parse_select(resp, None)) == 4
 
 
 def test_select_returns_references_and_leases_until_release(daemon, stub):
@@ -122,9 +123,12 @@ def test_select_returns_references_and_leases_until_release(daemon, stub):
     session = open_plane(stub, shm=True, host_id=daemon.host_id).session_id
     resp = stub.Select(pb.SelectRequest(session_id=session, num_samples=5), timeout=RPC_S)
     meta = table.meta
-    for ref, info in zip(resp.refs, resp.info, strict=True):
-        assert meta.key[ref.slot] == info.key and meta.generation[ref.slot] == ref.generation
-        assert list(ref.lengths) == [16, 16, 16]
+    selected = parse_select(resp, None)  # the packed arrays: the only form the daemon answers
+    assert len(selected) == 5
+    for slot, generation, lengths, key in zip(selected.slots, selected.generations, selected.lengths,
+                                              selected.infos[0], strict=True):
+        assert meta.key[slot] == key and meta.generation[slot] == generation
+        assert list(lengths) == [16, 16, 16]
     assert not resp.HasField("layout")  # the session already holds this layout
     assert table.active_leases() == 1
     rel = stub.Release(pb.ReleaseRequest(session_id=session, lease_ids=[resp.lease_id]), timeout=RPC_S)

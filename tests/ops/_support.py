@@ -15,9 +15,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
+from gear_server.event_loop import LoopThread
 from gear_server.table import ItemToInsert
 
 REPLAY = pb.DESCRIPTOR.services_by_name["ReplayService"]
@@ -82,18 +84,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(interceptors=(), credentials=None, add=None) -> tuple[grpc.Server, int]:
-    """A real gRPC server on loopback serving EchoReplay (plus whatever ``add(server)`` registers)."""
-    server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=list(interceptors))
-    pb_grpc.add_ReplayServiceServicer_to_server(EchoReplay(), server)
-    if add is not None:
-        add(server)
-    if credentials is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
-    return server, port
+class AioServer:
+    """A grpc.aio server on its own event loop thread (as the daemon runs one); ``stop(grace)`` ends both."""
+
+    def __init__(self, interceptors, credentials, add) -> None:
+        self.loop = LoopThread("test-aio-server")
+
+        async def build() -> int:
+            server = aio.server(futures.ThreadPoolExecutor(8), interceptors=list(interceptors))
+            pb_grpc.add_ReplayServiceServicer_to_server(EchoReplay(), server)
+            if add is not None:
+                add(server)
+            if credentials is None:
+                port = server.add_insecure_port("127.0.0.1:0")
+            else:
+                port = server.add_secure_port("127.0.0.1:0", credentials)
+            await server.start()
+            self.server = server
+            return port
+
+        self.port = self.loop.run(build(), timeout=30)
+
+    def stop(self, grace: float | None = None) -> None:
+        self.loop.run(self.server.stop(grace), timeout=30)
+        self.loop.stop()
+
+
+def start_server(interceptors=(), credentials=None, add=None) -> tuple[AioServer, int]:
+    """A real grpc.aio server on loopback serving EchoReplay (plus whatever ``add(server)`` registers, on its loop)."""
+    server = AioServer(interceptors, credentials, add)
+    return server, server.port
 
 
 # ------------------------------------------------------------------ tables ----

@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gear_client
 from gear_client import errors
@@ -49,9 +50,8 @@ def test_every_rpc_needs_the_token_and_handles_go_only_to_authenticated_calls(tm
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "segment" not in (info.value.details() or "")
             # Reflection needs the token too; health answers probes without one.
-            pb2, pb2_grpc = health.REFLECTION["grpc.reflection.v1"]
-            stream = pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
             with pytest.raises(grpc.RpcError) as info:
                 list(stream)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

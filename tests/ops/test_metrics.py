@@ -12,13 +12,13 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server import __version__
 from gear_server.auth import AuthSettings
+from gear_server.interceptors import RpcObserver
 from gear_server.logs import ErrorSummary
 from gear_server.metrics import (
     MAX_TABLE_LABELS,
     METHOD_LABELS,
     MetricsServer,
     MetricsSettings,
-    RpcObserver,
     ServerMetrics,
 )
 

@@ -1,0 +1,235 @@
+"""Table calls from the event loop: the work on a bounded thread pool, the waits on asyncio.
+
+The daemon serves every RPC on one asyncio event loop (grpc.aio). A table's
+work (copying an item's bytes into its slot, picking a selection, encoding a
+sample) runs on ``TableCalls.executor``, a small fixed pool, so the loop stays
+free for the other calls. Waiting for the rate limiter holds no thread: the call
+attempts without blocking (``WaitTicket``); when the limiter would block, the
+ticket is registered and the call awaits an asyncio event that the limiter sets
+(through ``loop.call_soon_threadsafe``) when its state changes, then attempts
+again, until its deadline. Reverb's semantics are unchanged: a sample takes its
+items one at a time as the limiter allows, a call past its timeout ends with
+RateLimiterTimeout (after a last attempt), and its stats count it once as
+limited with its whole wait.
+
+A call whose RPC ends (the task is cancelled) leaves nothing behind: an attempt
+already running finishes on its thread and whatever it leased is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from gear_server.errors import RateLimiterTimeout
+from gear_server.rate_limiter import WaitTicket, WouldBlock
+
+T = TypeVar("T")
+
+
+class Selection(Protocol):
+    """What ``Table.sample`` returns (gear_server.table.Selection)."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+    lengths: np.ndarray
+    keys: np.ndarray
+    probabilities: np.ndarray
+    table_sizes: np.ndarray
+    priorities: np.ndarray
+    times_sampled: np.ndarray
+    lease_id: int
+    layout_version: int
+
+    def __len__(self) -> int: ...
+
+
+class SamplingTable(Protocol):
+    """The part of ``gear_server.table.Table`` the event-loop calls use."""
+
+    name: str
+
+    def insert(self, item: Any, timeout: float | None = None, abandoned: Any = None) -> None: ...
+
+    def sample(self, num_samples: int, timeout: float | None = None, abandoned: Any = None) -> Selection: ...
+
+    def release(self, lease_id: int) -> None: ...
+
+
+class JoinedSelection:
+    """Several selections of one call as one: item i of the joined arrays, every part's lease."""
+
+    def __init__(self, parts: Sequence[Selection]):
+        self.parts = list(parts)
+        first = parts[0]
+        if len(parts) == 1:
+            join = lambda name: getattr(first, name)  # noqa: E731
+        else:
+            join = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+        self.slots = join("slots")
+        self.generations = join("generations")
+        self.lengths = join("lengths")
+        self.keys = join("keys")
+        self.probabilities = join("probabilities")
+        self.table_sizes = join("table_sizes")
+        self.priorities = join("priorities")
+        self.times_sampled = join("times_sampled")
+        # A later part saw the newer layout; a growth copies every slot, so earlier refs hold in it.
+        self.layout_version = max(p.layout_version for p in parts)
+        self.lease_ids = [p.lease_id for p in parts]
+        self.lease_id = first.lease_id  # reading the joined slots checks one lease: all are held alike
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+class TableCalls:
+    """Runs table work on a bounded pool and rate-limiter waits on the event loop."""
+
+    def __init__(self, workers: int, *, name: str = "gear-table"):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the pool. Cancelling the caller does not interrupt it (it finishes)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ------------------------------------------------------------------ waits
+    def _ticket(self) -> tuple[WaitTicket, asyncio.Event]:
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+
+        def wake() -> None:  # any thread, maybe under a table lock: only schedule
+            loop.call_soon_threadsafe(event.set)
+
+        return WaitTicket(wake), event
+
+    async def _attempt(self, ticket: WaitTicket, on_orphan: Callable[[Any], None] | None,
+                       fn: Callable[..., T], *args: Any) -> T:
+        """One non-blocking attempt on the pool; a result that arrives after the caller left goes to ``on_orphan``."""
+        def attempt() -> T:
+            with ticket.attempting():
+                return fn(*args)
+
+        future = asyncio.get_running_loop().run_in_executor(self.executor, attempt)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            def after(f: asyncio.Future) -> None:  # the attempt may have registered or leased after the caller left
+                ticket.abandon()
+                if on_orphan is not None and not f.cancelled() and f.exception() is None:
+                    on_orphan(f.result())
+
+            future.add_done_callback(after)
+            raise
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, deadline: float | None) -> bool:
+        """Wait for a wake; False when the deadline passed first."""
+        if deadline is None:
+            await event.wait()
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True
+
+    async def insert(self, table: SamplingTable, item: Any, timeout: float | None) -> None:
+        """``table.insert(item)`` waiting for the rate limiter without holding a thread."""
+        await self.insert_many([(table, item)], timeout)
+
+    async def insert_many(self, items: Sequence[tuple[SamplingTable, Any]], timeout: float | None,
+                          on_inserted: Callable[[SamplingTable, Any], None] | None = None) -> None:
+        """Insert items in order; as many as the limiter allows go in one pool job.
+
+        ``on_inserted(table, item)`` runs on the loop after each insert (acknowledgements, metrics).
+        """
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        ticket, event = self._ticket()
+
+        def insert_from(start: int) -> tuple[int, BaseException | None]:
+            """Insert items[start:] until one fails or would block: (the index reached, that error)."""
+            for i in range(start, len(items)):
+                table, item = items[i]
+                try:
+                    table.insert(item, timeout=0)
+                except BaseException as error:  # noqa: BLE001 (handed back with the progress made)
+                    return i, error
+            return len(items), None
+
+        position = 0
+        try:
+            while position < len(items):
+                event.clear()
+                reached, error = await self._attempt(ticket, None, insert_from, position)
+                if on_inserted is not None:
+                    for i in range(position, reached):
+                        on_inserted(*items[i])
+                if reached > position and not ticket.blocked_now:
+                    ticket.settle()
+                position = reached
+                if error is None:
+                    break
+                if not isinstance(error, WouldBlock):
+                    raise error
+                if not await self._wait(event, deadline):
+                    ticket.final = True
+        except BaseException:
+            ticket.abandon()
+            raise
+
+    async def sample(self, table: SamplingTable, n: int, timeout: float | None) -> JoinedSelection:
+        """``table.sample(n)``: n items, each as the limiter allows, fewer only if the timeout passes after some.
+
+        RateLimiterTimeout when not one item was allowed before the timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        ticket, event = self._ticket()
+        parts: list[Selection] = []
+        taken = 0
+
+        def release_orphan(selection: Selection) -> None:
+            self.executor.submit(table.release, selection.lease_id)
+
+        try:
+            while taken < n:
+                event.clear()
+                try:
+                    selection = await self._attempt(ticket, release_orphan, table.sample, n - taken, 0)
+                except WouldBlock:
+                    selection = None
+                except RateLimiterTimeout:  # the last attempt, at the deadline, got nothing more
+                    if parts:
+                        break
+                    raise
+                if selection is not None:
+                    parts.append(selection)
+                    taken += len(selection)
+                    if not ticket.blocked_now:
+                        ticket.settle()
+                if taken >= n or ticket.final:
+                    break
+                if not await self._wait(event, deadline):
+                    ticket.final = True
+        except BaseException:
+            ticket.abandon()
+            for selection in parts:
+                release_orphan(selection)
+            raise
+        ticket.abandon()  # a partial pick may have left it registered
+        return JoinedSelection(parts)
+
