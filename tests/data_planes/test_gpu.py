@@ -48,6 +48,20 @@ def test_sampler_on_a_gpu_gathers_into_device_memory(daemon):
         assert check_batch(HostView(batch)) == 32
 
 
+def test_pipelined_gpu_batches_of_several_per_select_are_intact_views_of_one_gather(daemon):
+    import cupy as cp
+
+    with PlaneSampler(daemon.address(), "t", device="cuda") as s:
+        stream = s.batches(8, batches_per_select=4)
+        batches = [next(stream) for _ in range(12)]
+        stream.close()
+        assert s.selects <= 6  # 12 batches, 4 per Select (and the Selects sent ahead)
+    for b in batches:
+        assert isinstance(b.columns[1], cp.ndarray) and b.columns[1].shape == (8, 64, 1024)
+        assert check_batch(HostView(b)) == 8
+    assert daemon.tables["t"].active_leases() == 0
+
+
 @pytest.mark.parametrize("window", [None, Window(16, -16), Window(40, 0, "head"), Window(80, 0)])
 def test_gpu_and_cpu_gathers_of_one_selection_agree(daemon, window):
     with PlaneSampler(daemon.address(), "t", planes=["shm"]) as s:
