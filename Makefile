@@ -10,7 +10,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 # Source-tree imports for machines without the venv (the GPU machine).
 GPU_ENV := PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1
 
-.PHONY: install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
+.PHONY: install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -64,6 +64,14 @@ bench-gpu:
 # Learner data planes end to end; on the GPU machine with shm into GPU memory.
 bench-planes-gpu:
 	$(GPU_ENV) $(PYTHON) bench/bench_planes.py --no-reverb
+
+# One table over 1, 2 and 4 daemons on this host (small sizes; docs/SHARDING.md).
+bench-shards: install
+	$(VPY) bench/bench_shards.py
+
+# The same on the GPU machine: B=256 into GPU memory, selection over 4 shards of 1M items.
+bench-shards-gpu:
+	$(GPU_ENV) $(PYTHON) bench/bench_shards.py --full --device cuda
 
 demo: install
 	$(VPY) examples/demo.py

@@ -6,8 +6,9 @@ DNS name with one address per daemon) returns one. Each table is seen as one:
 * ``server_info``: global size and counters (sums over the shards); each
   ``TableInfo`` also lists ``shards`` (address, up, failures, last error).
 * inserts: a writer (or one ``insert``) goes to the daemon on this host when
-  there is one (the same-host insert path applies), else to a live shard
-  picked at random per writer, so an episode's items stay together. Keys are
+  there is one (the same-host insert path applies; several there: in turn),
+  else to the live shards in turn from a random start, one shard per writer,
+  so an episode's items stay together. Keys are
   random 64-bit numbers made by the writers, unique across shards as on one
   daemon. A writer stays on its shard; new writers avoid shards that are down,
   and with every shard down an insert fails with ``ServiceError``.
@@ -90,7 +91,8 @@ class ShardedClient:
         self._options = {"host_id": host_id, "seed": seed, "shard_timeout_s": shard_timeout_s,
                          "shard_retry_s": shard_retry_s, "connect_timeout": connect_timeout}
         self.host_id = host_id or negotiation.local_host_id()
-        self._rng = np.random.default_rng(seed)
+        self._first_writer = int(np.random.default_rng(seed).integers(1 << 30))
+        self._writers = 0
         self._seed = seed
         self._lock = threading.Lock()
         self._samplers: dict[str, ShardedSampler] = {}
@@ -124,7 +126,7 @@ class ShardedClient:
 
     # ------------------------------------------------------------------ inserts
     def _insert_shard(self, exclude: Iterable[Shard] = ()) -> Shard:
-        """The daemon a writer uses: one on this host if any answers, else a live shard at random."""
+        """The daemon a writer uses: this host's if one answers, else the next live shard (see module docstring)."""
         excluded = {s.index for s in exclude}
         live = [s for s in self.shard_set.live() if s.index not in excluded]
         if not live:
@@ -132,8 +134,9 @@ class ShardedClient:
             raise errors.ServiceError(f"insert: no shard is reachable ({states})", grpc.StatusCode.UNAVAILABLE)
         local = [s for s in live if s.host_id == self.host_id]
         candidates = local or live
-        with self._lock:
-            return candidates[int(self._rng.integers(len(candidates)))]
+        with self._lock:  # round robin from a random start: a client's next writers cover every shard
+            self._writers += 1
+            return candidates[(self._first_writer + self._writers) % len(candidates)]
 
     def insert(self, data: Any, priorities: Mapping[str, float]) -> None:
         """Insert one single-step item (``Client.insert``) into one shard; another one if that shard is down."""

@@ -125,10 +125,11 @@ class Shard:
     def state(self) -> ShardState:
         return ShardState(self.index, self.address, self.host_id, self.up, self.failures, self.last_error)
 
-    def server_info(self, timeout: float) -> pb.ServerInfoResponse:
-        """ServerInfo within ``timeout``, fail-fast: a daemon that is gone answers UNAVAILABLE at once."""
+    def server_info(self, timeout: float, wait: bool = False) -> pb.ServerInfoResponse:
+        """ServerInfo within ``timeout``; fail-fast (a daemon that is gone answers UNAVAILABLE at once)
+        unless ``wait``, which waits for a connection up to ``timeout``."""
         stub = self.client._connect()[1]
-        return stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout, wait_for_ready=False)
+        return stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout, wait_for_ready=wait)
 
 
 class ShardSet:
@@ -149,7 +150,7 @@ class ShardSet:
     def _connect(self, addresses: Sequence[str], make_client: Callable[[str], Any]) -> list[Shard]:
         groups = [resolve(a) for a in addresses]
         candidates = [Shard(-1, addr, make_client(addr)) for group in groups for addr in group]
-        answers = self.map(lambda s: s.server_info(self.timeout_s), candidates)
+        answers = self.map(lambda s: s.server_info(self.timeout_s, wait=True), candidates)
         shards: list[Shard] = []
         seen: set[tuple[str, int]] = set()
         start = 0
@@ -218,7 +219,7 @@ class ShardSet:
     def _probe(self, shard: Shard) -> None:
         shard.client.close()  # a fresh channel connects at once instead of after gRPC's reconnect back-off
         try:
-            info = shard.server_info(self.timeout_s)
+            info = shard.server_info(self.timeout_s, wait=True)
         except grpc.RpcError as exc:
             with self._lock:
                 shard.probe = None

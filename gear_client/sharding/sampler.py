@@ -42,7 +42,10 @@ class ShardedSampler:
     """Batches of ``table`` over ``shards`` with global semantics (see module docstring). Thread safe."""
 
     def __init__(self, shards: ShardSet, table: str, *, planes=None, device: Any = None, seed: int | None = None,
-                 owns_shards: bool = False, **plane_options: Any):
+                 weights_max_age_s: float = 0.0, owns_shards: bool = False, **plane_options: Any):
+        """``weights_max_age_s``: split by the shards' sizes and masses asked at most this long ago
+        (0: ask before every batch, exact; more saves a round trip per batch, and the split follows
+        changes of the masses that late; reported probabilities stay exact for the sampled shards)."""
         self.shards = shards
         self.table = table
         self.planes = planes
@@ -53,6 +56,8 @@ class ShardedSampler:
         self._lock = threading.RLock()
         self._samplers: dict[int, PlaneSampler] = {}
         self._policy: Policy | None = None
+        self.weights_max_age_s = float(weights_max_age_s)
+        self._weights: tuple[float, Policy, dict[int, ShardWeight]] | None = None  # (when, policy, weights)
         self.closed = False
         self.resplits = 0  # parts taken again from other shards because their shard failed
         shards.on_rejoin(self._forget_sampler)
@@ -144,6 +149,17 @@ class ShardedSampler:
             raise KeyError(f"no live shard has a table '{self.table}' ({self._down_summary()})")
         return sum_table_infos(infos)
 
+    def _recent_weights(self) -> tuple[Policy, dict[int, ShardWeight]]:
+        cached = self._weights
+        now = time.monotonic()
+        if cached is not None and now - cached[0] <= self.weights_max_age_s:
+            live = {s.index for s in self.shards.live()}
+            return cached[1], {i: w for i, w in cached[2].items() if i in live}
+        policy, weights = self.weights()
+        if self.weights_max_age_s > 0:
+            self._weights = (now, policy, weights)
+        return policy, dict(weights)
+
     def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
         """``num_samples`` items with global semantics (fewer only when ``timeout`` passes after some were picked)."""
         if num_samples < 1:
@@ -153,10 +169,11 @@ class ShardedSampler:
         while True:
             if self.closed:
                 raise SamplerClosedError("this sampler is closed")
-            policy, weights = self.weights()
+            policy, weights = self._recent_weights()
             plan = split(policy, list(weights.values()), num_samples, self._rng)
             if plan:
                 break
+            self._weights = None  # nothing to sample: ask again next time
             if deadline is not None and time.monotonic() >= deadline:
                 raise errors.DeadlineExceededError(f"sample: table '{self.table}' has no item on any live shard "
                                                    f"within {timeout}s")

@@ -119,6 +119,14 @@ def test_uniform_matches_one_table_and_keys_are_unique(cluster):
             for key, item in zip(batch.keys.tolist(), _ids(batch).tolist(), strict=True):
                 assert key_to_id.setdefault(key, item) == item, "one key names two items"
         assert len(key_to_id) == total == len(set(key_to_id.values()))
+        # a seeded run splits its batches alike: the same number of items from each shard
+        again = _sharded(cluster, seed=SEED)
+        _, replay = _distribution(again, "uni", 1000)
+        again.close()
+        bounds = np.cumsum(SIZES)
+        for first, second in zip(batches[:2], replay, strict=True):
+            assert np.array_equal(np.bincount(np.searchsorted(bounds, _ids(first), side="right"), minlength=3),
+                                  np.bincount(np.searchsorted(bounds, _ids(second), side="right"), minlength=3))
     finally:
         client.close()
 
