@@ -76,3 +76,13 @@ def _scatter(parts: list[SampledBatch], rows: list[np.ndarray], total: int, xp: 
                 out[index, :a.shape[1]] = xp.asarray(a)
         columns.append(out)
     return columns
+
+
+def rows(batch: SampledBatch, start: int, end: int) -> SampledBatch:
+    """Rows ``start:end`` of a batch, as views (a read-ahead group cut into batches)."""
+    if start == 0 and end == len(batch):
+        return batch
+    cut = slice(start, end)
+    return SampledBatch(batch.keys[cut], batch.probabilities[cut], batch.table_sizes[cut], batch.priorities[cut],
+                        batch.times_sampled[cut], [c[cut] for c in batch.columns], batch.lengths[cut],
+                        batch.structure, batch.squeeze, plane=batch.plane)

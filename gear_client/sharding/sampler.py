@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +30,7 @@ from gear_client import errors
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
-from gear_client.sharding.assembly import assemble
+from gear_client.sharding.assembly import assemble, rows
 from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
 from gear_client.sharding.selection import Policy, ShardWeight, globalise, split, sum_table_infos
 from gear_contract._proto import replay_pb2 as pb
@@ -36,6 +38,19 @@ from gear_contract._proto import replay_pb2 as pb
 log = logging.getLogger(__name__)
 
 EMPTY_POLL_S = (0.005, 0.2)  # first and longest wait between looks at a table with no item on any shard
+READ_AHEAD_ITEMS = 128  # batches(): items selected together (one split, one part per shard)
+READ_AHEAD_GROUPS = 2  # batches(): groups fetched at once
+
+
+@dataclass
+class _Plan:
+    """One batch's (or read-ahead group's) split: what each shard picks, and the draws for it."""
+
+    policy: Policy
+    weights: dict[int, ShardWeight]  # what the shards reported (the split's basis)
+    counts: dict[int, int]  # shard -> items it picks
+    rng: np.random.Generator  # re-splits and the row order
+    deadline: float | None
 
 
 class ShardedSampler:
@@ -60,6 +75,7 @@ class ShardedSampler:
         self._weights: tuple[float, Policy, dict[int, ShardWeight]] | None = None  # (when, policy, weights)
         self.closed = False
         self.resplits = 0  # parts taken again from other shards because their shard failed
+        self._fetcher = futures.ThreadPoolExecutor(max_workers=READ_AHEAD_GROUPS, thread_name_prefix="gear-shard-batch")
         shards.on_rejoin(self._forget_sampler)
 
     # ----------------------------------------------------------------- per-shard samplers
@@ -164,34 +180,46 @@ class ShardedSampler:
         """``num_samples`` items with global semantics (fewer only when ``timeout`` passes after some were picked)."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        return self._fetch(self._plan(num_samples, timeout), window)
+
+    def _plan(self, num_samples: int, timeout: float | None) -> _Plan:
+        """Ask the shards (or reuse recent answers) and split ``num_samples``; waits while no shard has an item.
+
+        Every draw of the seeded generator happens here, in the caller's thread and
+        order, so batches fetched in parallel split and shuffle as a seeded run says.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         wait = EMPTY_POLL_S[0]
         while True:
             if self.closed:
                 raise SamplerClosedError("this sampler is closed")
             policy, weights = self._recent_weights()
-            plan = split(policy, list(weights.values()), num_samples, self._rng)
-            if plan:
-                break
+            counts = split(policy, list(weights.values()), num_samples, self._rng)
+            if counts:
+                rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
+                return _Plan(policy, weights, counts, rng, deadline)
             self._weights = None  # nothing to sample: ask again next time
             if deadline is not None and time.monotonic() >= deadline:
                 raise errors.DeadlineExceededError(f"sample: table '{self.table}' has no item on any live shard "
                                                    f"within {timeout}s")
             time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
             wait = min(2 * wait, EMPTY_POLL_S[1])
-        parts = self._collect(policy, weights, plan, window, deadline)
+
+    def _fetch(self, plan: _Plan, window: WindowSpec) -> SampledBatch:
+        """The planned parts, collected in parallel, with global probabilities, as one batch."""
+        parts = self._collect(plan, window)
         for shard_index, part in parts.items():
             self.shards.learn_owners(part.keys.tolist(), self.shards.shards[shard_index])
-        size, probabilities = globalise(policy, weights, {
+        size, probabilities = globalise(plan.policy, plan.weights, {
             s: (p.priorities, p.probabilities, p.table_sizes) for s, p in parts.items()})
         for part, probs in zip(parts.values(), probabilities, strict=True):
             part.probabilities = probs
             part.table_sizes = np.full(len(part), size, np.int64)
-        return assemble(list(parts.values()), self._rng, self.device)
+        return assemble(list(parts.values()), plan.rng, self.device)
 
-    def _collect(self, policy: Policy, weights: dict[int, ShardWeight], plan: dict[int, int], window: WindowSpec,
-                 deadline: float | None) -> dict[int, SampledBatch]:
+    def _collect(self, plan: _Plan, window: WindowSpec) -> dict[int, SampledBatch]:
         """Every shard's part, in parallel; a failed shard's part is split again over the others."""
+        policy, weights, deadline = plan.policy, plan.weights, plan.deadline
         got: dict[int, list[SampledBatch]] = {}
         running: dict[futures.Future, tuple[int, int]] = {}
         timed_out = None
@@ -202,7 +230,7 @@ class ShardedSampler:
             future = self.shards.submit(self._sampler(shard).sample, count, window=window, timeout=timeout)
             running[future] = (shard_index, count)
 
-        for shard_index, count in plan.items():
+        for shard_index, count in plan.counts.items():
             start(shard_index, count)
         while running:
             done, _ = futures.wait(list(running), timeout=self.shards.timeout_s,
@@ -226,7 +254,7 @@ class ShardedSampler:
                     self._shard_failed(shard, exc)
                     weights.pop(shard_index, None)
                     self.resplits += 1
-                    again = split(policy, list(weights.values()), count, self._rng)
+                    again = split(policy, list(weights.values()), count, plan.rng)
                     if not again:
                         raise errors.ServiceError(f"sample: no live shard of table '{self.table}' left "
                                                   f"({self._down_summary()})") from exc
@@ -238,7 +266,7 @@ class ShardedSampler:
                     timed_out = timed_out or errors.DeadlineExceededError("sample: rate limiter timeout")
         if not got:
             raise timed_out or errors.ServiceError(f"sample: no shard of table '{self.table}' answered")
-        return {s: (ps[0] if len(ps) == 1 else assemble(ps, self._rng, self.device)) for s, ps in got.items()}
+        return {s: (ps[0] if len(ps) == 1 else assemble(ps, plan.rng, self.device)) for s, ps in got.items()}
 
     def _check_outstanding(self, shard_indices: set[int]) -> None:
         """Parts still running after ``timeout_s``: probe their shards; a dead one's part is cut off."""
@@ -257,10 +285,33 @@ class ShardedSampler:
         return "; ".join(down) if down else "every shard answered"
 
     # ----------------------------------------------------------------- many batches
-    def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None):
-        """Batches without end (each shard's part over its own plane, the shards in parallel)."""
-        while True:
-            yield self.sample(num_samples, window=window, timeout=timeout)
+    def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None,
+                group_items: int = READ_AHEAD_ITEMS, depth: int = READ_AHEAD_GROUPS):
+        """Batches without end, read ahead: for tables whose sampling takes nothing (the datasets decide).
+
+        Several batches (up to ``group_items`` items) are selected as one group: one
+        split and one part per shard, so the round trips are paid once per group,
+        then shuffled and cut into batches. Picks made together are independent
+        draws just as picks made one batch at a time are, so every batch is a
+        batch the table could have given (with the masses of the group's moment,
+        as a daemon's own read-ahead has). ``depth`` groups are fetched at once in
+        the background while the learner takes the batches of the current one.
+        """
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        per_group = max(1, int(group_items) // num_samples)
+        pending: deque[futures.Future] = deque()
+        try:
+            while True:
+                while len(pending) < max(1, depth):
+                    plan = self._plan(num_samples * per_group, timeout)
+                    pending.append(self._fetcher.submit(self._fetch, plan, window))
+                group = pending.popleft().result()
+                for k in range(0, len(group), num_samples):
+                    yield rows(group, k, min(k + num_samples, len(group)))
+        finally:
+            for future in pending:
+                future.cancel()
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -272,6 +323,7 @@ class ShardedSampler:
             samplers, self._samplers = list(self._samplers.values()), {}
         for sampler in samplers:
             sampler.close()
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         if self._owns_shards:
             self.shards.close()
 
