@@ -40,6 +40,11 @@ def test_a_dataset_pickles_as_its_address_and_options_and_starts_where_it_is_ite
         sizes = [check_batch(b) for b in copy.batches()]
         assert copy.plane == "shm"
     assert sizes == [4, 4]
+    with reverb.TimestepDataset(daemon.address(), "t", batch_size=2, max_samples=2) as original:
+        steps = pickle.loads(pickle.dumps(original))
+    with steps:
+        (sample,) = list(steps)
+    assert sample.data["obs"].shape == (2, 16) and sample.data["action"].shape == (2,)
 
 
 @pytest.mark.skipif(HAS_TORCH, reason="torch is installed here")
