@@ -169,16 +169,21 @@ def bench_sampler(address: str, batch: int, seconds: float, pipelined: bool = Fa
     with PlaneSampler(address, "uniform", **kwargs) as sampler:
         stream = sampler.batches(batch, **(pipeline or {})) if pipelined else None
 
+        counted = {"batches": -1, "selects": 0}  # after the warm-up batch
+
         def one() -> int:
             b = next(stream) if stream is not None else sampler.sample(batch)
             assert b.columns[1].shape == (batch, 64, 1024), b.columns[1].shape
+            if counted["batches"] < 0:
+                counted["selects"] = sampler.selects  # the pipeline's fill is not counted
+            counted["batches"] += 1
             return len(b)  # device batches are complete: the plane waited for the gather
 
         elapsed, items = timed(one, seconds)
         if stream is not None:
             stream.close()
-        batches = (items + batch) / batch  # the warm-up batch too: sampler.selects counts its Selects
-        per_select = batches / sampler.selects if sampler.selects else None  # None: inline (no Select)
+        selects = sampler.selects - counted["selects"]
+        per_select = counted["batches"] / selects if selects else None  # None: inline (no Select)
         return {"gbps": gbps(elapsed, items), "plane": sampler.kind, "batches_per_s": items / batch / elapsed,
                 "stale_batches": sampler.stale_batches, "batches_per_select": per_select}
 
