@@ -10,6 +10,7 @@ restarted one comes back at the same address) and its own checkpoint folder.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 from gear_contract.negotiation import local_host_id
@@ -27,14 +28,16 @@ _TABLES = {
     "heap": ('"max_heap"', 1000),
     "events": ('"uniform"', 1000),
     "items": ('"uniform"', 24),  # checksummed trajectories, rewritten while a learner reads
+    "gate": ('"uniform"', 1000),  # samples only as inserts allow (GATE_LIMITER): a part can wait there
 }
+GATE_LIMITER = "{ explicit = { samples_per_insert = 1.0, min_size_to_sample = 1, min_diff = -2.0, max_diff = 1e9 } }"
 TABLES = "".join(f"""
 [[tables]]
 name = "{name}"
 sampler = {sampler}
 remover = "fifo"
 max_size = {max_size}
-rate_limiter = {{ min_size = 1 }}
+rate_limiter = {GATE_LIMITER if name == "gate" else "{ min_size = 1 }"}
 """ for name, (sampler, max_size) in _TABLES.items())
 
 
@@ -76,6 +79,10 @@ class Cluster:
 
     def kill(self, i: int) -> None:
         self.daemons[i].kill()
+
+    def pause(self, i: int, paused: bool) -> None:
+        """SIGSTOP / SIGCONT: a daemon that holds its connections open and answers nothing (a hung node)."""
+        self.daemons[i].process.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
     def alive(self, i: int) -> bool:
         return self.daemons[i].process.poll() is None

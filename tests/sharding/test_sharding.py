@@ -319,3 +319,55 @@ def test_checkpoint_and_restore_every_shard(cluster):
         assert after["prio"] == sum(SIZES)
     finally:
         client.close()
+
+
+def test_a_part_waiting_on_a_hung_shard_is_taken_from_the_others(cluster, caplog):
+    """Every shard's limiter holds its part; shard 2 then hangs (SIGSTOP): after the shard timeout its part
+    is split again over the others, which deliver once inserts let them; shard 2 rejoins after SIGCONT."""
+    direct = [reverb.Client(a) for a in cluster.addresses]
+    for shard, client in enumerate(direct):
+        client.insert({"id": np.int64(100 * shard)}, priorities={"gate": 1.0})
+    sharded = _sharded(cluster, host_id="elsewhere", seed=SEED, shard_timeout_s=1.0, shard_retry_s=0.3)
+    result: dict = {}
+
+    def sample() -> None:
+        try:
+            result["batch"] = sharded.sampler("gate").sample(24, timeout=60)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    waiter = threading.Thread(target=sample, daemon=True)
+    try:
+        waiter.start()
+        threading.Event().wait(1.0)  # the parts take what the limiters allow (3 a shard), then wait
+        assert waiter.is_alive()
+        with caplog.at_level(logging.WARNING, logger="gear_client.sharding"):
+            cluster.pause(2, True)
+            deadline = threading.Event()
+            for _ in range(50):
+                if not sharded.shard_set.shards[2].up:
+                    break
+                deadline.wait(0.1)
+            assert not sharded.shard_set.shards[2].up, "the hung shard was not noticed"
+            for shard in (0, 1):
+                for j in range(1, 31):  # enough for the whole batch on either shard
+                    direct[shard].insert({"id": np.int64(100 * shard + j)}, priorities={"gate": 1.0})
+            waiter.join(30)
+        assert "error" not in result, result.get("error")
+        batch = result["batch"]
+        assert len(batch) == 24
+        assert all(i < 200 for i in _ids(batch).tolist()), "items of the hung shard were delivered"
+        assert sharded.sampler("gate").resplits >= 1
+        assert any("is down" in r.getMessage() for r in caplog.records)
+        cluster.pause(2, False)
+        for _ in range(100):
+            if sharded.shards()[2].up:
+                break
+            threading.Event().wait(0.1)
+        assert sharded.shards()[2].up
+    finally:
+        cluster.pause(2, False)
+        sharded.close()
+        for client in direct:
+            client.reset("gate")
+            client.close()
