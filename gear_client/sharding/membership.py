@@ -217,7 +217,7 @@ class ShardSet:
             return [s for s in self.shards if s.up]
 
     def _probe(self, shard: Shard) -> None:
-        shard.client.close()  # a fresh channel connects at once instead of after gRPC's reconnect back-off
+        # The shard's own channel (writers may still stream on it) reconnects within gear's short back-off.
         try:
             info = shard.server_info(self.timeout_s, wait=True)
         except grpc.RpcError as exc:

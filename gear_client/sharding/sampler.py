@@ -194,9 +194,10 @@ class ShardedSampler:
             if self.closed:
                 raise SamplerClosedError("this sampler is closed")
             policy, weights = self._recent_weights()
-            counts = split(policy, list(weights.values()), num_samples, self._rng)
+            with self._lock:  # one generator, drawn in call order
+                counts = split(policy, list(weights.values()), num_samples, self._rng)
+                rng = np.random.default_rng(int(self._rng.integers(1 << 63))) if counts else None
             if counts:
-                rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
                 return _Plan(policy, weights, counts, rng, deadline)
             self._weights = None  # nothing to sample: ask again next time
             if deadline is not None and time.monotonic() >= deadline:
