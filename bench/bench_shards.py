@@ -18,7 +18,8 @@ client sees them as one table (``reverb.Client([a, b, ...])``). Figures:
            parts' 8-byte items collected and assembled). Goal: under 100 us at 1M items.
 
 Usage: python bench/bench_shards.py [--full] [--device cuda] [--json PATH]
-(``make bench-shards``: small, CPU; ``make bench-shards-gpu``: full, on the GPU machine.)
+(``make bench-shards``: small, CPU, inline collection; ``make bench-shards-gpu``: full, on the GPU machine,
+each shard over its best plane: shm here.)
 """
 
 from __future__ import annotations
@@ -314,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="the GPU machine's sizes (B=256, 1M items per shard)")
     parser.add_argument("--device", default=None, help='"cuda": learner batches in GPU memory')
-    parser.add_argument("--planes", default=None, help='e.g. "inline" (default: the best plane per shard)')
+    parser.add_argument("--planes", default=None,
+                        help='e.g. "inline" (default: inline when small, the best plane per shard with --full)')
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=None)
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     args.actors_per_shard = args.actors_per_shard or (2 if full else 1)
     args.items_per_shard = args.items_per_shard or (2048 if full else 256)
     args.prio_items = args.prio_items if args.prio_items is not None else (1_000_000 if full else 20_000)
+    if args.planes is None and not full:
+        args.planes = "inline"  # small: every shard's part over gRPC, to show what each shard adds
     r = run(args)
     print_results(r)
     if args.json:
