@@ -5,6 +5,8 @@
 Figures and the ceiling each works toward:
 * memory of a max_size=1e6 table of 15 KB items: first insert time, shared memory held and
   mapped, and insert latency while it fills (goal: memory follows the items, as in Reverb);
+* items of a second layout (tables without a signature): insert and collect cost, column
+  slots vs side store;
 * insert GB/s of 256 KiB items (ceiling: one memcpy of the same bytes, measured here);
 * sample (select + lease + release) latency for B = 32 / 256 at N = 2048 and 1M items,
   uniform and prioritized (reference: full cumsum + searchsorted over N weights,
@@ -133,6 +135,37 @@ def bench_memory(store: SegmentStore, max_size: int, item_bytes: int, fill: int)
     table.close()
 
 
+def bench_side(store: SegmentStore, n: int, item_bytes: int, repeats: int) -> None:
+    """Items of a second layout in a table without a signature (issue 12.3): what they cost.
+
+    The first item's layout gets the column slots; items of another dtype go to the side store
+    (arrays of their own, inline plane only). Figures, per kind: insert time per item, and the
+    time to collect a batch of B=32 for a sample message (Table.item_groups + joining the bytes).
+    Goal: the side store within a small factor of the column slots.
+    """
+    main = np.ones((1, item_bytes // 4), np.float32)
+    other = np.ones((1, item_bytes // 8), np.int64)
+    for kind, first, data in (("column slots", main, main), ("side store", main, other)):
+        cfg = pb.TableConfig(name=f"side-{kind[:4]}", sampler=selector("uniform"),
+                             remover=pb.SelectorOptions(fifo=True), max_size=n + 1, rate_limiter=UNLIMITED)
+        table = Table(cfg, store, seed=0)
+        table.insert(ItemToInsert(0, 0.0, LEAF, [first], [False]))  # fixes the column layout
+        t0 = time.perf_counter()
+        for k in range(1, n + 1):
+            table.insert(ItemToInsert(k, 1.0, LEAF, [data], [False]))
+        insert_s = (time.perf_counter() - t0) / n
+        t = []
+        for _ in range(repeats):
+            sel = table.sample(32)
+            t0 = time.perf_counter()
+            b"".join(p for g in table.item_groups(sel) for col in g.parts for p in col)
+            t.append(time.perf_counter() - t0)
+            table.release(sel.lease_id)
+        print(f"side    {item_bytes // 1024:>3} KiB items in the {kind:<12}: insert {insert_s * 1e6:7.1f} us/item, "
+              f"B=32 collected for sending {statistics.median(t) * 1e3:6.3f} ms")
+        table.close()
+
+
 def table_with(store: SegmentStore, name: str, n: int, sampler: str, item_bytes: int) -> Table:
     """An n-item table built by restore (fast), items of item_bytes bytes."""
     steps = 64 if item_bytes >= 64 * 8 else 1
@@ -200,6 +233,8 @@ def main() -> None:
     print(f"gear table benchmark (pid {os.getpid()}, numpy {np.__version__}, {os.cpu_count()} cpus)")
     try:
         bench_memory(store, 1_000_000, 15_000, fill=5_000 if args.quick else 40_000)
+        for item_bytes in (1024, 256 * 1024):
+            bench_side(store, 256 if item_bytes > 4096 else 4096, item_bytes, repeats)
         bench_insert(store, n_items=1024 if args.quick else 4096, item_bytes=256 * 1024)
         bench_read(store, 2048, 256 * 1024, repeats=max(5, repeats // 4))
         bench_sample(store, 2048, repeats)

@@ -264,18 +264,29 @@ class Client:
             return emit_sample(info, data, structure, emit_timesteps)
 
         plane = self._data_plane(table)
+        remaining = int(num_samples)
         if plane is not None:  # shm or rdma negotiated: bytes bypass the control plane
             tune_allocator()  # batches and the caller's stacked copies are multi-MiB buffers too
-            remaining = int(num_samples)
             while remaining > 0:
-                batch = plane.sample(min(remaining, _PLANE_ITEMS_PER_SELECT))
+                try:
+                    batch = plane.sample(min(remaining, _PLANE_ITEMS_PER_SELECT))
+                except ValueError:
+                    if plane.kind is not None:
+                        raise
+                    # the daemon ended the session and refuses shm/rdma now (the table holds items of
+                    # several layouts): nothing was taken; the rest comes over the Sample RPC
+                    with self._lock:
+                        self._planes[table] = None
+                    plane.close()
+                    break
                 remaining -= len(batch)
                 for i, info in enumerate(batch.item_infos()):
                     yield emit(info, batch.item_columns(i))
-            return
+            if remaining <= 0:
+                return
         daemon = self._daemon_channel()
         tune_allocator()
-        request = pb.SampleRequest(table=table, num_samples=int(num_samples))
+        request = pb.SampleRequest(table=table, num_samples=remaining)
         for attempt in range(2):  # sent again once the daemon is reachable, if nothing arrived yet
             call = daemon.sample_call(request, wait_for_ready=False)
             received = False

@@ -60,3 +60,8 @@ class ShmExhausted(GearServerError, OSError):
                 f"{self.shm_dir}`, `docker run --shm-size=<bytes>`, a larger emptyDir medium: Memory in "
                 f"Kubernetes), point shm_dir at a larger tmpfs, or lower the table's max_size "
                 f"(docs/OPERATIONS.md, sizing /dev/shm)")
+
+
+class NeedsInlinePlane(GearServerError):
+    """A reader by reference (shm, rdma) asked a table that holds items outside its column layout:
+    those travel inline only (the data-plane session is ended so the learner negotiates again)."""

@@ -226,14 +226,15 @@ class ReplayService:
             except Exception as e:  # noqa: BLE001
                 await abort_for(context, e)
             selected = time.perf_counter()
-            message = await self.calls.run(_encode_and_release, table, selection)
-            if not isinstance(message, bytes):
-                await abort_for(context, message)
+            messages = await self.calls.run(_encode_and_release, table, selection)
+            if not isinstance(messages, list):
+                await abort_for(context, messages)
             remaining -= len(selection)
             if self.metrics is not None:
-                self.metrics.sample_served(table.name, len(selection), len(message), selected - started,
-                                           time.perf_counter() - selected)
-            yield message
+                self.metrics.sample_served(table.name, len(selection), sum(len(m) for m in messages),
+                                           selected - started, time.perf_counter() - selected)
+            for message in messages:
+                yield message
 
     # -------------------------------------------------------------- the rest
     async def MutatePriorities(self, request: pb.MutatePrioritiesRequest,  # noqa: N802
@@ -347,8 +348,8 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-def _encode_and_release(table: Any, selection: JoinedSelection) -> bytes | BaseException:
-    """The serialized SampleResponse of a leased selection, then the lease ends; a table error is returned."""
+def _encode_and_release(table: Any, selection: JoinedSelection) -> list[bytes] | BaseException:
+    """The serialized SampleResponses of a leased selection, then the lease ends; a table error is returned."""
     try:
         return encode_selection(table, selection)
     except Exception as e:  # noqa: BLE001 (e.g. the table closed under the call)
@@ -360,20 +361,19 @@ def _encode_and_release(table: Any, selection: JoinedSelection) -> bytes | BaseE
             table.release(lease_id)
 
 
-def encode_selection(table: Any, selection: Any) -> bytes:
-    """The serialized SampleResponse of a leased selection (read while the lease holds)."""
+def encode_selection(table: Any, selection: Any) -> list[bytes]:
+    """The serialized SampleResponses of a leased selection (read while the lease holds): one per run of
+    items that share a layout (one in the common case; tables without a signature may hold several)."""
     infos = [pb.SampleInfo(key=int(k), probability=float(p), table_size=int(s), priority=float(q),
                            times_sampled=int(t))
              for k, p, s, q, t in zip(selection.keys.tolist(), selection.probabilities.tolist(),
                                       selection.table_sizes.tolist(), selection.priorities.tolist(),
                                       selection.times_sampled.tolist(), strict=True)]
-    lengths = np.asarray(selection.lengths, dtype=np.int32)
-    layout = table.layout()
-    parts = table.slot_views(selection)
-    columns = []
-    squeeze = []
-    for c, col in enumerate(layout.columns):
-        columns.append((col.dtype, col.shape, parts[c]))
-        squeeze.append(bool(col.squeeze))
-    structure = layout.structure
-    return encode_sample_response(infos, lengths.reshape(len(infos), len(columns)), structure, squeeze, columns)
+    messages = []
+    for group in table.item_groups(selection):
+        lengths = np.asarray(group.lengths, dtype=np.int32).reshape(group.stop - group.start, len(group.columns))
+        columns = [(dtype, shape, group.parts[c]) for c, (dtype, shape, _) in enumerate(group.columns)]
+        squeeze = [bool(squeezed) for _, _, squeezed in group.columns]
+        messages.append(encode_sample_response(infos[group.start:group.stop], lengths, group.structure, squeeze,
+                                               columns))
+    return messages

@@ -102,15 +102,15 @@ class SlotBook:
         """Return a slot taken for an insert that did not happen."""
         self.free.append(slot)
 
-    def occupy(self, slot: int, prep: PreparedItem, seq: int) -> None:
-        """Record ``prep`` as the item in ``slot``."""
+    def occupy(self, slot: int, prep: PreparedItem, seq: int, lengths: list[int] | int) -> None:
+        """Record ``prep`` as the item in ``slot``, with ``lengths`` per column in ``meta.length``."""
         m = self.meta
         m.key[slot] = prep.key
         m.priority[slot] = prep.priority
         m.insert_seq[slot] = seq
         m.update_seq[slot] = seq
         m.times_sampled[slot] = 0
-        m.length[slot] = prep.lengths
+        m.length[slot] = lengths
         m.valid[slot] = True
         self.key_to_slot[prep.key] = slot
         self.slot_episodes[slot] = prep.episode_ids
@@ -172,24 +172,16 @@ class SlotBook:
         self.leases[lease_id] = slots
         return lease_id
 
-    def end_lease(self, lease_id: int) -> bool:
-        """End a lease; False if it was not held."""
-        slots = self.leases.pop(int(lease_id), None)
-        if slots is None:
-            return False
-        self.unlease(slots)
-        return True
-
-    def unlease(self, slots: np.ndarray) -> bool:
-        """Drop one lease count per occurrence of each slot; True if a zombie slot became free."""
+    def unlease(self, slots: np.ndarray) -> list[int]:
+        """Drop one lease count per occurrence of each slot; returns the deleted slots this made free."""
         m = self.meta
         distinct, counts = np.unique(slots, return_counts=True)
         m.leases[distinct] -= counts.astype(np.int32)
-        freed = False
+        freed = []
         if self.zombies:
             for s in distinct[m.leases[distinct] == 0].tolist():
                 if s in self.zombies:
                     self.zombies.remove(s)
                     self.free.append(s)
-                    freed = True
+                    freed.append(s)
         return freed

@@ -12,10 +12,12 @@ Items are checked by ``gear_server.items`` (the one validator).
 A table without a signature reports none (``TableInfo.signature`` unset, as in
 Reverb); it learns its column layout (structure, dtypes, step shapes) from the
 first item and keeps it internal (``layout()``). While it holds items, an item
-that breaks that layout is refused (ValueError naming the column): Reverb would
-store it, gear keeps one layout per segment. Once it is empty again (``reset``,
-or every item removed) and no lease or copy is outstanding, the next item may
-differ: the table relearns its layout into a new segment (layout version + 1).
+of another layout is kept in the side store (``gear_server.side_items``), as
+Reverb's tables hold items of any structure; such items are read inline only
+(``sample(by_reference=True)`` refuses while any are held). Once the table is
+empty again (``reset``, or every item removed) and no lease or copy is
+outstanding, the next item relearns the column layout into a new segment
+(layout version + 1). A signature compares flattened leaves (``items.Signature``).
 
 Semantics follow Reverb (REVERB_COMPAT.md): insert-when-full then remove,
 ``max_times_sampled``, existing key = priority update, per-sample rate
@@ -31,6 +33,7 @@ reset, restore, close) wait until no copy is in flight.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -41,7 +44,7 @@ import numpy as np
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_server.column_store import MIN_INITIAL_SLOTS, ColumnStore, gather, slot_views, write_item
-from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
+from gear_server.errors import CallCancelled, NeedsInlinePlane, RateLimiterTimeout, TableClosedError
 from gear_server.items import (  # noqa: F401 (ItemToInsert, count_leaves, leaf_paths: re-exported)
     ColumnSpec,
     ItemToInsert,
@@ -54,11 +57,20 @@ from gear_server.items import (  # noqa: F401 (ItemToInsert, count_leaves, leaf_
 from gear_server.rate_limiter import RateLimiter, deadline_after
 from gear_server.sampling import count_picks
 from gear_server.selectors import make_selector
+from gear_server.side_items import SideItem, SideStore
 from gear_server.slots import ItemMetadata, SlotBook
 from gear_server.storage import Segment, SegmentStore
 from gear_server.table_snapshot import RestorePlan, TableSnapshot, capture, jsonable
 
 Abandoned = Callable[[], bool] | None
+
+
+class Placement(enum.Enum):
+    """Where an item goes."""
+
+    COLUMNS = "columns"  # the column slots of the learned (or signed) layout
+    RELEARN = "relearn"  # the table is empty and idle: its layout is learned anew from this item
+    SIDE = "side"  # another layout while the table holds items: the side store (no signature only)
 
 
 @dataclass
@@ -78,6 +90,22 @@ class Selection:
 
     def __len__(self) -> int:
         return len(self.slots)
+
+
+@dataclass
+class ItemGroup:
+    """Items ``[start, stop)`` of a selection that share one layout, ready to send.
+
+    ``columns``: per column (dtype, step shape, squeezed); ``parts``: per column, one
+    contiguous array per item of its steps (a squeezed column: the step itself).
+    """
+
+    start: int
+    stop: int
+    structure: pb.Structure
+    columns: list[tuple[np.dtype, tuple[int, ...], bool]]
+    lengths: np.ndarray  # int32 [items, columns]
+    parts: list[list[np.ndarray]]
 
 
 def _default_spare(max_size: int) -> int:
@@ -113,6 +141,7 @@ class Table:
         self._remover = make_selector(config.remover, capacity)
         self._slots = SlotBook(capacity, len(self._signature.leaves) if self._signature else 0)
         self._columns = ColumnStore(self.name, store, self._signature.structure if self._signature else None)
+        self._side = SideStore()  # items of other layouts (tables without a signature)
 
         self._seq = 0  # orders inserts and priority updates
         self._num_unique_samples = 0
@@ -193,13 +222,22 @@ class Table:
         return (self._signature is None and self._columns.learned and self._slots.idle()
                 and not self._copies_in_flight)
 
-    def _needs_relearn(self, prep: PreparedItem) -> bool:
-        """True when the item breaks the learned layout and the table may relearn it; otherwise
-        the item must fit (ValueError naming the column if not). Lock held."""
-        if self._can_relearn() and not self._columns.fits(prep):
-            return True
+    def _placement(self, prep: PreparedItem) -> Placement:
+        """Where the item goes (lock held): the column slots, a relearned layout (the table is empty and
+        idle), or the side store (a signature-less table holding items of another layout). With a
+        signature the item must fit it (ValueError naming the leaf otherwise)."""
+        if not self._columns.learned:
+            self._check_fits(prep)
+            return Placement.COLUMNS
+        if self._columns.fits(prep):
+            self._check_fits(prep)
+            return Placement.COLUMNS
+        if self._can_relearn():
+            return Placement.RELEARN
+        if self._signature is None:
+            return Placement.SIDE
         self._check_fits(prep)
-        return False
+        return Placement.COLUMNS
 
     def _check_fits(self, prep: PreparedItem) -> None:
         """ValueError unless the item matches the signature and the learned layout (lock held)."""
@@ -212,12 +250,8 @@ class Table:
                 why = str(e)
         if why is None:
             why = self._columns.layout_mismatch(prep)
-        if why is None:
-            return
-        if self._signature is None and self._columns.learned and not self._slots.key_to_slot and self._slots.leases:
-            why += (f" (the table is empty and relearns its layout from the next item once its "
-                    f"{len(self._slots.leases)} outstanding lease(s) are released)")
-        raise ValueError(why)
+        if why is not None:
+            raise ValueError(why)
 
     # ------------------------------------------------------------------ insert
     def insert(self, item: ItemToInsert, timeout: float | None = None, abandoned: Abandoned = None) -> None:
@@ -231,7 +265,7 @@ class Table:
         prep = item.validated()
         with self._lock:
             self._check_open()
-            relearn = self._needs_relearn(prep)
+            placement = self._placement(prep)
             if prep.key in self._slots.key_to_slot:
                 self._update_existing(prep.key, prep.priority)
                 return
@@ -242,7 +276,7 @@ class Table:
                     self._check_open()
                     if epoch != self._columns.epoch:
                         epoch = self._columns.epoch
-                        relearn = self._needs_relearn(prep)
+                        placement = self._placement(prep)
                     if prep.key in self._slots.key_to_slot:
                         self._update_existing(prep.key, prep.priority)
                         self._rate_limiter.insert_abandoned()
@@ -250,21 +284,23 @@ class Table:
                     if self._exclusive:
                         self._cond.wait()
                         continue
-                    if not self._columns.learned or relearn:
-                        if relearn and not self._can_relearn():  # items or leases arrived meanwhile
-                            relearn = self._needs_relearn(prep)  # raises unless the item fits now
+                    if not self._columns.learned or placement is Placement.RELEARN:
+                        if placement is Placement.RELEARN and not self._can_relearn():  # items or leases came
+                            placement = self._placement(prep)
                             continue
                         self._learn_layout(prep)
                         continue
-                    grown = self._columns.grown_lengths(prep.lengths)
-                    if grown is not None:
-                        self._regrow(self.capacity, grown)
-                        continue
+                    if placement is Placement.COLUMNS:
+                        grown = self._columns.grown_lengths(prep.lengths)
+                        if grown is not None:
+                            self._regrow(self.capacity, grown)
+                            continue
                     if not self._slots.free:
                         self._regrow(self._next_capacity(), None)
                         continue
                     break
-                self._columns.reserve(self._slots.free[-1])  # its memory, before anyone writes there
+                if placement is Placement.COLUMNS:
+                    self._columns.reserve(self._slots.free[-1])  # its memory, before anyone writes there
                 slot = self._slots.take()
                 self._copies_in_flight += 1
                 views = self._columns.views
@@ -273,11 +309,15 @@ class Table:
                 raise
         committed = False
         try:
-            write_item(views, slot, prep.pieces)
+            side = None
+            if placement is Placement.SIDE:
+                side = SideItem.of(prep)
+            else:
+                write_item(views, slot, prep.pieces)
             with self._lock:
                 self._copy_done()
                 committed = True
-                self._commit(slot, prep)
+                self._commit(slot, prep, side)
         except BaseException:
             with self._lock:
                 if not committed:
@@ -286,7 +326,7 @@ class Table:
                     self._rate_limiter.insert_abandoned()
             raise
 
-    def _commit(self, slot: int, prep: PreparedItem) -> None:
+    def _commit(self, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
         t0 = time.perf_counter()
         if self._closed:
             self._slots.give_back(slot)
@@ -299,7 +339,12 @@ class Table:
             return
         self._seq += 1
         seq = self._seq
-        self._slots.occupy(slot, prep, seq)
+        if side is None:
+            self._side.drop(slot)
+            self._slots.occupy(slot, prep, seq, prep.lengths)
+        else:
+            self._slots.occupy(slot, prep, seq, 0)  # its lengths are the side item's
+            self._side.put(slot, side)
         self._sampler.insert(slot, prep.priority, seq)
         self._remover.insert(slot, prep.priority, seq)
         if len(self._slots) > self.max_size:
@@ -328,12 +373,15 @@ class Table:
     def _delete_slot(self, slot: int) -> None:
         """Remove the item in ``slot`` (lock held); the slot is freed once unleased."""
         self._slots.vacate(slot)
+        if self.meta.leases[slot] == 0:
+            self._side.drop(slot)  # a leased one stays readable until its last lease ends (_unlease)
         self._sampler.delete(slot)
         self._remover.delete(slot)
         self._rate_limiter.deleted()
 
     # ------------------------------------------------------------------ sample
-    def sample(self, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None) -> Selection:
+    def sample(self, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
+               by_reference: bool = False) -> Selection:
         """Pick ``num_samples`` items, each as if sampled alone; lease their slots.
 
         Each pick passes the rate limiter (blocking between picks as needed),
@@ -342,6 +390,10 @@ class Table:
         max_times_sampled. RateLimiterTimeout if not even one pick was allowed
         before ``timeout``; if the timeout passes after some picks, those are
         returned (fewer than asked, as Reverb's flexible batches).
+
+        ``by_reference``: the caller reads the items from the segment (shm, rdma), which
+        holds only the column layout's items: while the table holds items of other
+        layouts it picks nothing (NeedsInlinePlane) or stops before them.
         """
         n = int(num_samples)
         if n < 1:
@@ -366,6 +418,11 @@ class Table:
                             self._unlease(chunk[0])
                         raise
                     k = 1
+                if by_reference and self._side:
+                    if taken:
+                        break
+                    raise NeedsInlinePlane(f"table '{self.name}' holds items of {self._layouts_held()} layouts "
+                                           "(structures, dtypes or step shapes); they are read inline")
                 t0 = time.perf_counter()
                 chunk = self._pick(k)
                 chunks.append(chunk)
@@ -386,6 +443,14 @@ class Table:
                 lease_id=lease_id, layout_version=self._columns.version,
             )
 
+    def _layouts_held(self) -> int:
+        return len({item.layout_key for item in self._side.items.values()}) + (len(self._side) < len(self._slots))
+
+    def holds_other_layouts(self) -> bool:
+        """Whether some items are not in the column layout (so readers by reference cannot see them)."""
+        with self._lock:
+            return bool(self._side)
+
     def _has_items(self) -> bool:
         return bool(self._slots.key_to_slot)
 
@@ -404,7 +469,9 @@ class Table:
 
         Non-squeezed columns give ``[sum(lengths), *shape]``; squeezed ones ``[n, *shape]``.
         """
-        views, specs = self._leased_views(selection)
+        views, specs, side = self._leased_views(selection)
+        if side:
+            raise ValueError("the selection holds items of other layouts than the table's columns: use item_groups")
         return gather(views, specs, selection.slots, selection.lengths)
 
     def slot_views(self, selection: Selection) -> list[list[np.ndarray]]:
@@ -413,11 +480,49 @@ class Table:
         Valid while the selection's lease is held (a leased slot is never rewritten);
         joining them (e.g. ``b"".join``) gives the same bytes as ``read``.
         """
-        views, specs = self._leased_views(selection)
+        views, specs, side = self._leased_views(selection)
+        if side:
+            raise ValueError("the selection holds items of other layouts than the table's columns: use item_groups")
         return slot_views(views, specs, selection.slots, selection.lengths)
 
-    def _leased_views(self, selection: Selection) -> tuple[list[np.ndarray], list[ColumnSpec]]:
-        """The column views and specs to read ``selection`` from, once its lease is confirmed held.
+    def item_groups(self, selection: Selection) -> list[ItemGroup]:
+        """The selected items in runs that share one layout, in selection order, as no-copy views.
+
+        One group when every item is in the column layout (the common case); items of
+        other layouts (tables without a signature) come in groups of their own.
+        """
+        views, specs, side = self._leased_views(selection)
+        slots = selection.slots
+        n = len(slots)
+        layout = self.layout()
+        if not side:
+            return [ItemGroup(0, n, layout.structure, [s.key for s in specs], selection.lengths,
+                              slot_views(views, specs, slots, selection.lengths))]
+        keys = [side[s].layout_key if s in side else None for s in slots.tolist()]
+        groups = []
+        start = 0
+        for i in range(1, n + 1):
+            if i < n and keys[i] == keys[start]:
+                continue
+            if keys[start] is None:
+                part = slots[start:i]
+                lengths = selection.lengths[start:i]
+                groups.append(ItemGroup(start, i, layout.structure, [s.key for s in specs], lengths,
+                                        slot_views(views, specs, part, lengths)))
+            else:
+                items = [side[s] for s in slots[start:i].tolist()]
+                first = items[0]
+                parts = [[it.columns[c][0] if spec.squeeze else it.columns[c] for it in items]
+                         for c, spec in enumerate(first.specs)]
+                groups.append(ItemGroup(start, i, first.structure, [sp.key for sp in first.specs],
+                                        np.array([it.lengths for it in items], np.int32), parts))
+            start = i
+        return groups
+
+    def _leased_views(self, selection: Selection
+                      ) -> tuple[list[np.ndarray], list[ColumnSpec], dict[int, SideItem]]:
+        """The column views and specs to read ``selection`` from, once its lease is confirmed held,
+        and the selected side items by slot.
 
         Read outside the lock: leased slots are never rewritten, and each view holds an
         export of its mapping, so a segment replaced meanwhile (growth) stays mapped.
@@ -426,7 +531,11 @@ class Table:
             self._check_open()
             if selection.lease_id not in self._slots.leases:
                 raise ValueError(f"lease {selection.lease_id} is not held on table '{self.name}'")
-            return self._columns.views, self._columns.specs
+            side = {}
+            if self._side:
+                items = self._side.items
+                side = {s: items[s] for s in selection.slots.tolist() if s in items}
+            return self._columns.views, self._columns.specs, side
 
     def release(self, lease_id: int) -> None:
         """End a lease (unknown or already released ids are ignored)."""
@@ -437,7 +546,8 @@ class Table:
 
     def _unlease(self, slots: np.ndarray) -> None:
         had_zombies = bool(self._slots.zombies)
-        self._slots.unlease(slots)
+        for slot in self._slots.unlease(slots):
+            self._side.drop(slot)
         if had_zombies and (self._exclusive or self._copies_in_flight):
             self._cond.notify_all()
 
@@ -497,6 +607,9 @@ class Table:
             self._begin_exclusive()
             try:
                 self._slots.clear()
+                for slot in list(self._side.items):
+                    if slot not in self._slots.zombies:  # leased ones stay readable until released
+                        self._side.drop(slot)
                 self._sampler.clear()
                 self._remover.clear()
                 self._num_unique_samples = 0
@@ -590,7 +703,8 @@ class Table:
                 "num_unique_samples": self._num_unique_samples, "table_worker_time_s": self._worker_time_s,
                 "rng": jsonable(self._rng.bit_generator.state),
             }
-            return capture(self._slots, self._columns, {"sampler": self._sampler, "remover": self._remover}, scalars)
+            return capture(self._slots, self._columns, self._side, {"sampler": self._sampler, "remover": self._remover},
+                           scalars)
 
     def restore(self, snapshot: TableSnapshot) -> None:
         """Load a snapshot into this (empty, unleased) table; it then behaves as the snapshotted one."""
@@ -611,7 +725,8 @@ class Table:
                     self._columns.structure = plan.structure
                 if plan.specs:
                     self._columns.learn(plan.specs, plan.max_lengths, self._columns.structure, capacity)
-                plan.load(self._slots, self._columns, {"sampler": self._sampler, "remover": self._remover})
+                self._side = SideStore()
+                plan.load(self._slots, self._columns, self._side, {"sampler": self._sampler, "remover": self._remover})
                 self._seq = int(s["seq"])
                 self._rate_limiter.restore(s["rate_limiter"])
                 self._num_unique_samples = int(s["num_unique_samples"])

@@ -19,6 +19,7 @@ already running finishes on its thread and whatever it leased is released.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,8 @@ class SamplingTable(Protocol):
 
     def insert(self, item: Any, timeout: float | None = None, abandoned: Any = None) -> None: ...
 
-    def sample(self, num_samples: int, timeout: float | None = None, abandoned: Any = None) -> Selection: ...
+    def sample(self, num_samples: int, timeout: float | None = None, abandoned: Any = None, *,
+               by_reference: bool = False) -> Selection: ...
 
     def release(self, lease_id: int) -> None: ...
 
@@ -192,11 +194,14 @@ class TableCalls:
             ticket.abandon()
             raise
 
-    async def sample(self, table: SamplingTable, n: int, timeout: float | None) -> JoinedSelection:
+    async def sample(self, table: SamplingTable, n: int, timeout: float | None, *,
+                     by_reference: bool = False) -> JoinedSelection:
         """``table.sample(n)``: n items, each as the limiter allows, fewer only if the timeout passes after some.
 
-        RateLimiterTimeout when not one item was allowed before the timeout.
+        RateLimiterTimeout when not one item was allowed before the timeout. ``by_reference``: for
+        readers of the segment (Table.sample's argument).
         """
+        pick = functools.partial(table.sample, by_reference=True) if by_reference else table.sample
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         ticket, event = self._ticket()
         parts: list[Selection] = []
@@ -209,7 +214,7 @@ class TableCalls:
             while taken < n:
                 event.clear()
                 try:
-                    selection = await self._attempt(ticket, release_orphan, table.sample, n - taken, 0)
+                    selection = await self._attempt(ticket, release_orphan, pick, n - taken, 0)
                 except WouldBlock:
                     selection = None
                 except RateLimiterTimeout:  # the last attempt, at the deadline, got nothing more

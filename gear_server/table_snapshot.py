@@ -18,6 +18,7 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_server.column_store import ColumnStore, scatter
 from gear_server.items import ColumnSpec
 from gear_server.selectors.base import Selector
+from gear_server.side_items import SideItem, SideStore
 from gear_server.slots import SlotBook
 
 
@@ -40,16 +41,19 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def capture(slots: SlotBook, columns: ColumnStore, selectors: dict[str, Selector], scalars: dict[str, Any]
-            ) -> TableSnapshot:
+def capture(slots: SlotBook, columns: ColumnStore, side: SideStore, selectors: dict[str, Selector],
+            scalars: dict[str, Any]) -> TableSnapshot:
     """Items (insertion order), their bytes, slots, free-slot stack, episodes and selector state.
 
     Arrays: keys, priorities, insert_seq, update_seq, times_sampled, lengths [n, C],
     slots (where each item lives), free_slots (the free-slot stack), column/<c> (the
     items' steps concatenated, as ``Table.read``), episode_ids with episode_counts (per
     item), structure (serialised gear.v1.Structure), and sampler/<name>,
-    remover/<name> (selector state, slots mapped to item indices). ``scalars`` are
-    the table's own (sequence numbers, rate limiter, rng...); the layout's are added.
+    remover/<name> (selector state, slots mapped to item indices). Items of other
+    layouts (the side store) are marked in ``side`` (bool per item), left out of
+    ``column/<c>``, and kept as ``side/<j>/structure`` and ``side/<j>/column/<c>`` with
+    their specs and lengths in the scalar ``side_items``. ``scalars`` are the table's
+    own (sequence numbers, rate limiter, rng...); the layout's are added.
     """
     m = slots.meta
     occupied = slots.occupied_in_insert_order()
@@ -61,9 +65,22 @@ def capture(slots: SlotBook, columns: ColumnStore, selectors: dict[str, Selector
         # leased slots of deleted items are free once restored (no lease survives)
         "free_slots": np.array(slots.free_stack(), np.int64),
     }
+    side_mask = np.array([slot in side for slot in occupied.tolist()], np.bool_)
+    primary = occupied[~side_mask]
+    side_items: list[dict[str, Any]] = []
+    if side_mask.any():
+        arrays["side"] = side_mask
+        for j, slot in enumerate(occupied[side_mask].tolist()):
+            item = side.items[slot]
+            arrays[f"side/{j}/structure"] = np.frombuffer(item.structure.SerializeToString(), np.uint8).copy()
+            for c, data in enumerate(item.columns):
+                arrays[f"side/{j}/column/{c}"] = data
+            side_items.append({"lengths": list(item.lengths), "columns": [
+                {"name": sp.name, "dtype": sp.dtype.str, "shape": list(sp.step_shape), "squeeze": sp.squeeze}
+                for sp in item.specs]})
     column_info: list[dict[str, Any]] = []
     if columns.specs is not None:
-        for c, data in enumerate(columns.read(occupied, m.length[occupied])):
+        for c, data in enumerate(columns.read(primary, m.length[primary])):
             arrays[f"column/{c}"] = data
         for spec, col in zip(columns.specs, columns.layout.columns, strict=True):
             column_info.append({"name": spec.name, "dtype": spec.dtype.str, "shape": list(spec.step_shape),
@@ -79,7 +96,7 @@ def capture(slots: SlotBook, columns: ColumnStore, selectors: dict[str, Selector
         for name, value in selector.snapshot().items():
             arrays[f"{role}/{name}"] = index[value]
     out = {"num_items": n, "capacity": slots.capacity, "columns": column_info,
-           "has_structure": columns.structure is not None}
+           "has_structure": columns.structure is not None, "side_items": side_items}
     out.update(scalars)
     return TableSnapshot(arrays, out)
 
@@ -108,21 +125,37 @@ class RestorePlan:
             raise ValueError(f"table '{table}': snapshot structure does not match the table's signature")
         self.lengths = np.asarray(a["lengths"], np.int32).reshape(n, len(self.specs))
         self.slots = np.asarray(a["slots"], np.int64) if "slots" in a else np.arange(n, dtype=np.int64)
+        self.side = np.asarray(a["side"], np.bool_).reshape(n) if "side" in a else np.zeros(n, np.bool_)
+        self.side_items = list(s.get("side_items", []))
+        if len(self.side_items) != int(self.side.sum()):
+            raise ValueError(f"table '{table}': snapshot marks {int(self.side.sum())} items of other layouts but "
+                             f"describes {len(self.side_items)}")
+        if self.side_items and signature is not None:
+            raise ValueError(f"table '{table}': snapshot holds items of other layouts, the table has a signature")
 
     def capacity(self, at_least: int) -> int:
         """Slots the restored table needs: ``at_least``, the snapshot's capacity, every recorded slot."""
         n = self.num_items
         return max(at_least, int(self.scalars.get("capacity", 0)), int(self.slots.max()) + 1 if n else 0)
 
-    def load(self, book: SlotBook, columns: ColumnStore, selectors: dict[str, Selector]) -> None:
-        """Put items, bytes, free stack, episodes and selector state into a fresh book and store."""
+    def load(self, book: SlotBook, columns: ColumnStore, side: SideStore, selectors: dict[str, Selector]) -> None:
+        """Put items, bytes, free stack, episodes and selector state into a fresh book and stores."""
         a, n, slots, lengths = self.arrays, self.num_items, self.slots, self.lengths
         if len(np.unique(slots)) != n:
             raise ValueError(f"table '{self.table}': snapshot has duplicate slots")
+        primary = slots[~self.side]
         if self.specs:
-            if n:
-                columns.reserve(int(slots.max()))
-            scatter(columns.views, self.specs, slots, lengths, [a[f"column/{c}"] for c in range(len(self.specs))])
+            if len(primary):
+                columns.reserve(int(primary.max()))
+            scatter(columns.views, self.specs, primary, lengths[~self.side],
+                    [a[f"column/{c}"] for c in range(len(self.specs))])
+        for j, (slot, info) in enumerate(zip(slots[self.side].tolist(), self.side_items, strict=True)):
+            structure = pb.Structure()
+            structure.ParseFromString(np.asarray(a[f"side/{j}/structure"], np.uint8).tobytes())
+            specs = [ColumnSpec(c["name"], np.dtype(c["dtype"]), tuple(c["shape"]), bool(c["squeeze"]))
+                     for c in info["columns"]]
+            data = [np.array(a[f"side/{j}/column/{c}"], dtype=spec.dtype, copy=True) for c, spec in enumerate(specs)]
+            side.put(slot, SideItem(structure, specs, data, [int(x) for x in info["lengths"]]))
         m = book.meta
         m.key[slots] = a["keys"]
         m.priority[slots] = a["priorities"]

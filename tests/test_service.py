@@ -430,7 +430,7 @@ def test_a_table_error_while_encoding_a_sample_maps_to_its_status_and_releases_t
     def closed(selection):
         raise TableClosedError("table 'uniform' is closed")
 
-    monkeypatch.setattr(table, "slot_views", closed)
+    monkeypatch.setattr(table, "item_groups", closed)
     e = rpc_error(stub.Sample, pb.SampleRequest(table="uniform", num_samples=1), timeout=PROMPT_S)
     assert e.code() == grpc.StatusCode.UNAVAILABLE and "closed" in e.details()
     assert table.active_leases() == 0

@@ -44,8 +44,13 @@ def decode_batches(views) -> tuple[list, list[list[np.ndarray]], np.ndarray, obj
         if first is None:
             first = view
             parts = [[] for _ in view.columns]
-        if len(view.columns) != len(parts):
-            raise ValueError("sample batches of one call disagree on the number of columns")
+        if len(view.columns) != len(parts) or view.structure != first.structure or any(
+                a.dtype != b.dtype or a.shape[1:] != b.shape[1:] for a, b in zip(view.columns, first.columns,
+                                                                                 strict=True)):
+            # a table without a signature holding items of several layouts: one batch cannot stack them
+            raise ValueError("the items of one batch have different structures, dtypes or step shapes (a table "
+                             "without a signature holding several kinds of items): sample them with "
+                             "Client.sample, which returns each item as it is")
         infos.extend(view.infos)
         lengths.append(np.asarray(view.lengths, dtype=np.int64).reshape(view.num_items, len(parts)))
         for c, arr in enumerate(view.columns):

@@ -30,6 +30,7 @@ from gear_server.data_planes.offers import gpu_off_reason, plane_report
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
 from gear_server.data_planes.settings import DataPlaneSettings
+from gear_server.errors import NeedsInlinePlane
 from gear_server.statuses import abort_for, find_table
 from gear_server.table_calls import JoinedSelection, TableCalls
 
@@ -124,11 +125,18 @@ class DataPlaneManager:
             return await self.calls.run(self._open, table, kind, request, peer)
         except OverflowError as exc:  # every session slot is taken
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except NeedsInlinePlane as exc:  # items of several layouts, and the learner does not offer inline
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:  # noqa: BLE001
             await abort_for(context, exc)
 
     def _open(self, table: Any, kind: str, request: pb.OpenDataPlaneRequest, peer: str) -> pb.OpenDataPlaneResponse:
         """Open a session of ``kind`` (on the pool: RDMA resources take device calls)."""
+        if kind != negotiation.INLINE and table.holds_other_layouts():  # items outside the segment's layout
+            if not request.offer.inline:
+                raise NeedsInlinePlane(f"table '{table.name}' holds items of several layouts (no signature); "
+                                       "they are read inline only: sample over the Sample RPC")
+            return pb.OpenDataPlaneResponse(kind=negotiation.INLINE, **self._timeouts())  # no layout: items differ
         layout = table.layout()
         if kind == negotiation.INLINE:
             response = pb.OpenDataPlaneResponse(kind=kind, **self._timeouts())
@@ -186,6 +194,9 @@ class DataPlaneManager:
         started = time.perf_counter()
         try:
             picked = [await self._pick(session, n, timeout)]
+        except NeedsInlinePlane as exc:  # nothing was taken: the learner negotiates again and is answered inline
+            self.sessions.close(session.session_id)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session closed: {exc}")
         except asyncio.CancelledError:
             if session.closed and not _being_cancelled():
                 await context.abort(grpc.StatusCode.CANCELLED, "select cancelled (the session was closed)")
@@ -230,7 +241,7 @@ class DataPlaneManager:
 
     async def _pick(self, session: Session, n: int, timeout: float | None) -> JoinedSelection:
         """``n`` items of the session's table; cancelled (CancelledError) if the session closes while it waits."""
-        task = asyncio.ensure_future(self.calls.sample(session.table, n, timeout))
+        task = asyncio.ensure_future(self.calls.sample(session.table, n, timeout, by_reference=True))
         entry = (asyncio.get_running_loop(), task)
         with self._selects_lock:
             self._selects.setdefault(session.session_id, set()).add(entry)

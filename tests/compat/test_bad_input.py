@@ -161,21 +161,23 @@ def test_item_breaking_the_signature_client(client, seeded):
                 writer.flush(timeout_ms=PROMPT_S * 1000)
 
 
-@pytest.mark.parametrize("data", [np.zeros(3, np.int64), np.zeros(5, np.float32), np.zeros((2, 2), np.float32)],
+@pytest.mark.parametrize("data", [np.full(3, 7, np.int64), np.full(5, 7, np.float32), np.full((2, 2), 7, np.float32)],
                          ids=["dtype", "shape", "rank"])
-def test_item_breaking_the_learned_layout_raw(server, client, seeded, data):
+def test_item_of_another_layout_is_kept_raw(server, client, seeded, data):
+    """Tables without a signature hold items of any structure, as Reverb's (issue 12.3): nothing refused."""
     stub = raw_stub(server)
-    with unchanged(client, seeded):
-        _rpc_error(lambda: _insert(stub, insert_request("items", key=78, priority=1.0, data=data)), INVALID,
-                   "dtype|shape|layout|rank")
+    _insert(stub, insert_request("items", key=78, priority=1.0, data=data))
+    now = contents(client, "items")
+    assert {k: v for k, v in now.items() if k != 78} == seeded[0]["items"]  # the others are intact
+    assert now[78] == (1.0, (data.tobytes(),))
 
 
-def test_item_breaking_the_learned_layout_client(client, seeded):
-    with unchanged(client, seeded):
-        with pytest.raises(ValueError, match="dtype|shape|layout|rank"):
-            client.insert(np.zeros(3, np.int64), {"items": 1.0})
-        with pytest.raises(ValueError):
-            client.insert({"other": np.zeros(2, np.float32), "structure": np.int32(1)}, {"items": 1.0})
+def test_item_of_another_layout_is_kept_client(client, seeded):
+    client.insert(np.full(3, 7, np.int64), {"items": 1.0})
+    client.insert({"other": np.zeros(2, np.float32), "structure": np.int32(1)}, {"items": 1.0})
+    now = contents(client, "items")
+    assert len(now) == 5 and {k: v for k, v in now.items() if k in seeded[0]["items"]} == seeded[0]["items"]
+    assert sorted(len(leaves) for _, leaves in now.values()) == [1, 1, 1, 1, 2]
 
 
 def test_item_longer_than_the_table_allows_raw(server, client, seeded):
