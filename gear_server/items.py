@@ -17,7 +17,7 @@ Wire pieces the items are made of are checked here as well: dtypes
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +132,26 @@ def check_priority(priority: float, what: str = "priority") -> float:
     if math.isinf(value):
         raise ValueError(f"{what} must be finite, got {value}")
     return value + 0.0  # -0.0 -> 0.0
+
+
+def priority_updates(updates: Mapping[int, float] | Iterable[tuple[int, float]] | None
+                     ) -> tuple[list[int], np.ndarray]:
+    """(keys, priorities float64) of a priority update, every priority checked (ValueError naming the key)."""
+    if updates is None:
+        keys: list[int] = []
+        prios = np.zeros(0)
+    elif isinstance(updates, Mapping):
+        keys = list(updates.keys())
+        prios = np.fromiter(updates.values(), np.float64, len(keys))
+    else:
+        pairs = list(updates)
+        keys = [k for k, _ in pairs]
+        prios = np.array([float(p) for _, p in pairs], np.float64)
+    bad = np.flatnonzero(~np.isfinite(prios) | (prios < 0))
+    if bad.size:
+        i = int(bad[0])
+        check_priority(prios[i], f"new priority of key {keys[i]}")
+    return keys, prios + 0.0  # -0.0 -> 0.0
 
 
 # --------------------------------------------------------------------------- items

@@ -45,14 +45,15 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_server.column_store import MIN_INITIAL_SLOTS, ColumnStore, gather, slot_views, write_item
 from gear_server.errors import CallCancelled, NeedsInlinePlane, RateLimiterTimeout, TableClosedError
+from gear_server.item_groups import ItemGroup, group_items
 from gear_server.items import (  # noqa: F401 (ItemToInsert, count_leaves, leaf_paths: re-exported)
     ColumnSpec,
     ItemToInsert,
     PreparedItem,
     Signature,
-    check_priority,
     count_leaves,
     leaf_paths,
+    priority_updates,
 )
 from gear_server.rate_limiter import RateLimiter, deadline_after
 from gear_server.sampling import count_picks
@@ -90,22 +91,6 @@ class Selection:
 
     def __len__(self) -> int:
         return len(self.slots)
-
-
-@dataclass
-class ItemGroup:
-    """Items ``[start, stop)`` of a selection that share one layout, ready to send.
-
-    ``columns``: per column (dtype, step shape, squeezed); ``parts``: per column, one
-    contiguous array per item of its steps (a squeezed column: the step itself).
-    """
-
-    start: int
-    stop: int
-    structure: pb.Structure
-    columns: list[tuple[np.dtype, tuple[int, ...], bool]]
-    lengths: np.ndarray  # int32 [items, columns]
-    parts: list[list[np.ndarray]]
 
 
 def _default_spare(max_size: int) -> int:
@@ -492,32 +477,7 @@ class Table:
         other layouts (tables without a signature) come in groups of their own.
         """
         views, specs, side = self._leased_views(selection)
-        slots = selection.slots
-        n = len(slots)
-        layout = self.layout()
-        if not side:
-            return [ItemGroup(0, n, layout.structure, [s.key for s in specs], selection.lengths,
-                              slot_views(views, specs, slots, selection.lengths))]
-        keys = [side[s].layout_key if s in side else None for s in slots.tolist()]
-        groups = []
-        start = 0
-        for i in range(1, n + 1):
-            if i < n and keys[i] == keys[start]:
-                continue
-            if keys[start] is None:
-                part = slots[start:i]
-                lengths = selection.lengths[start:i]
-                groups.append(ItemGroup(start, i, layout.structure, [s.key for s in specs], lengths,
-                                        slot_views(views, specs, part, lengths)))
-            else:
-                items = [side[s] for s in slots[start:i].tolist()]
-                first = items[0]
-                parts = [[it.columns[c][0] if spec.squeeze else it.columns[c] for it in items]
-                         for c, spec in enumerate(first.specs)]
-                groups.append(ItemGroup(start, i, first.structure, [sp.key for sp in first.specs],
-                                        np.array([it.lengths for it in items], np.int32), parts))
-            start = i
-        return groups
+        return group_items(selection.slots, selection.lengths, views, specs, self.layout().structure, side)
 
     def _leased_views(self, selection: Selection
                       ) -> tuple[list[np.ndarray], list[ColumnSpec], dict[int, SideItem]]:
@@ -558,21 +518,7 @@ class Table:
 
         ValueError (nothing changed) if any new priority is NaN, negative or infinite.
         """
-        if updates is None:
-            keys: list[int] = []
-            prios = np.zeros(0)
-        elif isinstance(updates, Mapping):
-            keys = list(updates.keys())
-            prios = np.fromiter(updates.values(), np.float64, len(keys))
-        else:
-            pairs = list(updates)
-            keys = [k for k, _ in pairs]
-            prios = np.array([float(p) for _, p in pairs], np.float64)
-        bad = np.flatnonzero(~np.isfinite(prios) | (prios < 0))
-        if bad.size:
-            i = int(bad[0])
-            check_priority(prios[i], f"new priority of key {keys[i]}")
-        prios = prios + 0.0  # -0.0 -> 0.0
+        keys, prios = priority_updates(updates)
         delete_keys = list(deletes) if deletes is not None else []
         with self._lock:
             self._check_open()
