@@ -143,14 +143,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--obs", type=int, default=1024)
     parser.add_argument("--batch-bytes", type=int, default=None,
-                        help="override trajectory_writer.BATCH_BYTES (items per request under load)")
+                        help="override insert_stream.BATCH_BYTES (items per request under load)")
     parser.add_argument("--target", choices=["discard", "daemon"], default="discard",
                         help="discard: a servicer that only acknowledges (the writer's ceiling); daemon: gear's")
     args = parser.parse_args()
     if args.batch_bytes is not None:
-        from gear_client import trajectory_writer
+        from gear_client import insert_stream
 
-        trajectory_writer.BATCH_BYTES = args.batch_bytes
+        insert_stream.BATCH_BYTES = args.batch_bytes
     r = run(args.items, args.steps, args.obs, args.target)
     print(f"target: {args.target}")
     print(f"writer: {r['items']} items x {r['steps']} steps ({r['item_bytes'] / 1e3:.1f} kB/item) in "

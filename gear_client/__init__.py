@@ -34,6 +34,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "rate_limiters": ("gear_contract.rate_limiters", None),
     "specs": ("gear_contract.specs", None),
     "structured": ("gear_client.structured", None),
+    "structured_writer": ("gear_client.structured_writer", None),
     "checkpointers": ("gear_client.checkpointers", None),
     "errors": ("gear_client.errors", None),
 }

@@ -227,21 +227,26 @@ class Client:
                       chunk_length=chunk_length, max_in_flight_items=max_in_flight_items)
 
     def trajectory_writer(self, num_keep_alive_refs: int, *, validate_items: bool = True,
-                          get_signature_timeout_ms: int | None = 3000):
-        """A ``TrajectoryWriter`` whose items may reach ``num_keep_alive_refs`` steps back."""
+                          get_signature_timeout_ms: int | None = 3000, reconnect_timeout_s: float | None = None):
+        """A ``TrajectoryWriter`` whose items may reach ``num_keep_alive_refs`` steps back.
+
+        ``reconnect_timeout_s`` (default ``GEAR_WRITER_RECONNECT_TIMEOUT_S`` or 60 s): how long the writer
+        waits for a daemon that went away before it gives up the unacknowledged items.
+        """
         if num_keep_alive_refs < 1:
             raise ValueError(f"num_keep_alive_refs ({num_keep_alive_refs}) must be a positive integer")
         del get_signature_timeout_ms  # signatures are fetched on demand and cached
         from gear_client.trajectory_writer import TrajectoryWriter
 
         self._wait_ready("trajectory_writer")
-        return TrajectoryWriter(self, num_keep_alive_refs, validate_items=validate_items)
+        return TrajectoryWriter(self, num_keep_alive_refs, validate_items=validate_items,
+                                reconnect_timeout_s=reconnect_timeout_s)
 
     def structured_writer(self, configs: Sequence[Any]):
-        """A ``StructuredWriter`` that inserts items as ``configs`` describe (reverb.structured)."""
+        """A ``StructuredWriter`` that inserts items as ``configs`` describe (reverb.structured_writer)."""
         if not configs:
             raise ValueError("At least one config must be provided.")
-        from gear_client.structured import StructuredWriter
+        from gear_client.structured_writer import StructuredWriter
 
         self._wait_ready("structured_writer")
         return StructuredWriter(self, configs)

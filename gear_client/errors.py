@@ -15,6 +15,7 @@ __all__ = [
     "DeadlineExceededError",
     "ServiceError",
     "ConnectError",
+    "ItemsNotInsertedError",
     "from_rpc_error",
     "INSERT_OPERATIONS",
 ]
@@ -89,3 +90,14 @@ def from_rpc_error(error: BaseException, operation: str) -> Exception:
         return NotImplementedError(message)
     code_name = code.name if code is not None else "UNKNOWN"
     return ServiceError(f"{message} ({code_name})", code)
+
+
+class ItemsNotInsertedError(ServiceError):
+    """A writer gave up on items: the daemon stayed unreachable past the writer's reconnect timeout.
+
+    ``keys`` lists the items' keys; none of them was inserted, nor will be.
+    """
+
+    def __init__(self, message: str, keys: list[int] | tuple[int, ...]):
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE)
+        self.keys = tuple(keys)

@@ -1,10 +1,22 @@
-"""The writer's transport over gRPC: one ``InsertStream`` call, batched requests, acknowledgements counted.
+"""The writer's transport over gRPC: ``InsertStream`` calls that survive a daemon restart.
 
-``InsertStream.send_item`` is where an encoded item (its new chunks and its
-``PrioritizedItem`` bytes) is handed to the transport. Requests are framed by
-hand around the chunks' raw buffers (gear_contract/wire.py), batched while
-gRPC's own thread is busy sending the previous message, and queued to that
-thread; a reader thread counts the acknowledged keys.
+``InsertStream.send_item`` is the one place where an encoded item (its new
+chunks and its ``PrioritizedItem`` bytes) is handed to the transport.
+Requests are framed by hand around the chunks' raw buffers
+(gear_contract/wire.py) and batched: gRPC's request thread takes the batch
+whenever it is idle, so items go out in the background as soon as they are
+created, flush or not; under load many items share one message.
+
+The transport keeps what a new call would need: every chunk the server must
+still hold (live, or released while an item that uses it is unacknowledged),
+as the bytes it was sent in, and every unacknowledged item. A call that ends
+with UNAVAILABLE (a daemon restarting, a network cut) or ends early is
+transient: a thread waits for the daemon with back-off, opens a new call and
+resends the chunks and the unacknowledged items (same keys; an item the
+daemon already holds is not inserted twice), then carries on. Items still
+unacknowledged after ``reconnect_timeout_s`` without a daemon are given up:
+the writer's next call raises ``ItemsNotInsertedError`` naming their keys.
+Any other status is the writer's next call's error, as in Reverb.
 """
 
 from __future__ import annotations
@@ -12,13 +24,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
 from gear_client.chunker import NewChunk
-from gear_client.errors import ServiceError
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
 from gear_contract.wire import encode_release_keys
@@ -30,114 +42,89 @@ MAX_REQUEST_BYTES = 3 << 20
 # Under load, items are batched into requests of about this size.
 BATCH_BYTES = 2 << 20
 _CLOSE_TIMEOUT_S = 2.0
-
+# Waiting for a daemon that went away: readiness polls, and back-off between failed calls.
+_READY_POLL_S = 0.5
+_MIN_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 1.0
 _INSERT_STREAM_METHOD = "/gear.v1.ReplayService/InsertStream"
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
-def _open_insert_stream(client: Any) -> tuple[Any, bool]:
-    """The InsertStream multicallable, and whether it takes encoded bytes.
+class _Pending(NamedTuple):
+    """An item sent and not yet acknowledged: its order, its encoded field, its chunk bytes."""
+
+    seq: int
+    item: bytes
+    nbytes: int
+    sent_at: float  # time.monotonic() when it was handed to gRPC
+
+
+def _open_insert_stream(client: Any) -> tuple[Any, bool, grpc.Channel | None]:
+    """The InsertStream multicallable, whether it takes encoded bytes, and the channel (if any).
 
     With the client's channel the writer sends its hand-encoded bytes as they
     are; through the stub (no channel) they are parsed into a message first.
     """
-    stub = client._stub
     channel = getattr(client, "_channel", None)
     if isinstance(channel, grpc.Channel):
         return channel.stream_stream(_INSERT_STREAM_METHOD, request_serializer=None,
-                                     response_deserializer=pb.InsertStreamResponse.FromString), True
-    return stub.InsertStream, False
+                                     response_deserializer=pb.InsertStreamResponse.FromString), True, channel
+    return client._stub.InsertStream, False, None
 
-
-# ------------------------------------------------------------------ stream ----
 
 class InsertStream:
-    """One InsertStream call: batched requests through a queue, acknowledgements counted by a thread.
+    """InsertStream calls of one writer: batches, acknowledgements, reconnection and resending.
 
-    Requests are filled in place in ``batch``; a batch is handed to gRPC's
-    request thread as soon as that thread is idle, or once it holds
-    ``BATCH_BYTES`` (under load many items share one message: per-message
-    costs dominate otherwise). Holds no reference to the writer, so a dropped
-    writer is collected and its finalizer ends the stream.
+    Everything below is guarded by ``_cond``. Holds no reference to the
+    writer, so a dropped writer is collected and its finalizer ends the stream.
     """
 
-    def __init__(self, client: Any):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, client: Any, reconnect_timeout_s: float):
         self._cond = threading.Condition()
-        self.pending: dict[int, int] = {}  # item key -> bytes sent with it
+        self._reconnect_timeout_s = float(reconnect_timeout_s)
+        self._open_call, self._raw, self._channel = _open_insert_stream(client)
+        self.pending: dict[int, _Pending] = {}  # item key -> what a new call would resend, in send order
         self.in_flight_bytes = 0
-        self.error: BaseException | None = None
-        self.done = False
-        self._closing = False
-        self._sender_idle = True  # gRPC's request thread waits for the next request
+        self._seq = 0  # items submitted so far
+        self._chunks: dict[int, memoryview] = {}  # chunk key -> its encoded field as sent (head + rows)
+        self._released: deque[tuple[int, int]] = deque()  # (items submitted before, chunk key) still kept
         self.batch: list | None = None  # pieces of the next message (bytes, or views of column buffers)
         self.batch_bytes = 0
-        open_call, self._raw = _open_insert_stream(client)
+        self._batch_chunks: list[tuple[int, int, int]] = []  # (chunk key, offset in the batch, length)
+        self._batch_items: list[tuple[int, bytes, int]] = []  # (key, encoded item, chunk bytes)
+        self._batch_releases: list[int] = []
+        self._queue: queue.SimpleQueue | None = None  # the current call's requests
+        self._call: Any = None
+        self._in_call = False
+        self._sender_idle = False  # the current call's request thread waits for the next request
+        self.error: BaseException | None = None  # a non-transient failure, for the writer's next call
+        self.lost = 0  # items the failed call took with it
+        self.failed_keys: list[int] = []  # items given up after the reconnect timeout
+        self._outage_since: float | None = None
+        self._wanted = False  # a request waits for a call (after a non-transient failure)
+        self._closing = False
+        self.done = False
         # Every message is a fresh multi-MiB bytes object (the batch joined): keep freed ones in the heap
         # so the next is not faulted in (and zeroed) page by page. Measured +3-4 % writer throughput.
         tune_allocator()
-        # wait_for_ready: a daemon still starting (or restarting) is waited for, not an error.
-        self._call = open_call(self._requests(), wait_for_ready=True)
-        self._reader = threading.Thread(target=self._read_acks, name="gear-insert-acks", daemon=True)
-        self._reader.start()
+        if self._channel is not None:
+            self._channel.subscribe(self._on_connectivity, try_to_connect=False)
+        with self._cond:
+            first = self._open_locked()
+        self._thread = threading.Thread(target=self._run, args=(first,), name="gear-insert-stream", daemon=True)
+        self._thread.start()
 
-    def _requests(self) -> Iterator[pb.InsertStreamRequest]:
-        q = self._queue
-        while True:
-            try:
-                request = q.get_nowait()
-            except queue.Empty:
-                self._sender_idle = True
-                request = q.get()
-            self._sender_idle = False
-            if request is None:
-                return
-            yield request
-
-    def _read_acks(self) -> None:
-        error: BaseException | None = None
-        try:
-            for response in self._call:
-                with self._cond:
-                    for key in response.keys:
-                        self.in_flight_bytes -= self.pending.pop(key, 0)
-                    self._cond.notify_all()
-        except grpc.RpcError as e:
-            error = e
-        except BaseException as e:  # noqa: BLE001 - reported to the writer, never lost
-            error = e
-        finally:
-            self._queue.put(None)  # unblock gRPC's request thread
-            with self._cond:
-                if error is None and self.pending and not self._closing:
-                    error = ServiceError(f"the insert stream ended with {len(self.pending)} items unacknowledged")
-                if error is not None and not self._closing:
-                    self.error = error
-                self.done = True
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        """The daemon is away from the channel's first failure to connect until it is ready again."""
+        with self._cond:
+            if state == grpc.ChannelConnectivity.READY:
+                self._outage_since = None
+            elif state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                if self._outage_since is None:
+                    self._outage_since = time.monotonic()
                 self._cond.notify_all()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self.pending)
-
-    def request(self, nbytes: int) -> list:
-        """The batch (a list of encoded pieces) to extend with ``nbytes`` more (a new one when full)."""
-        if self.batch is not None and self.batch_bytes + nbytes > MAX_REQUEST_BYTES:
-            self.submit()
-        if self.batch is None:
-            self.batch = []
-            self.batch_bytes = 0
-        self.batch_bytes += nbytes
-        return self.batch
-
-    def added(self, key: int | None = None, nbytes: int = 0) -> None:
-        """Account for what was just filled into ``batch``; send it if the sender waits or it is full."""
-        if key is not None:
-            with self._cond:
-                self.pending[key] = nbytes
-                self.in_flight_bytes += nbytes
-        if self.batch_bytes >= BATCH_BYTES or self._sender_idle:
-            self.submit()
-
+    # ------------------------------------------------------------ the seam --
     def send_item(self, chunks: list[NewChunk], key: int, item: bytes, releases: Sequence[int] = ()) -> None:
         """Hand one encoded item to the transport: its new chunks, then the item (and chunk keys to release).
 
@@ -146,76 +133,322 @@ class InsertStream:
         appended after them (concatenated messages merge).
         """
         nbytes = sum(len(c.head) + c.data.nbytes for c in chunks)
-        remaining = nbytes
-        start = 0
-        # Chunks beyond one request's worth go first, in requests of their own.
-        while remaining > MAX_REQUEST_BYTES and len(chunks) - start > 1:
-            size = 0
-            pieces = []
-            while len(chunks) - start > 1 and (not pieces or size + len(chunks[start].head) + chunks[start].data.nbytes
-                                               <= MAX_REQUEST_BYTES):
-                chunk = chunks[start]
-                start += 1
-                pieces += (chunk.head, chunk.data)
-                size += len(chunk.head) + chunk.data.nbytes
-            self.request(size).extend(pieces)
-            self.submit()
-            remaining -= size
-        if releases:
-            item += encode_release_keys(releases)
-        pieces = self.request(remaining + len(item))
-        for chunk in chunks[start:]:
-            pieces += (chunk.head, chunk.data)
-        pieces.append(item)
-        self.added(key, nbytes)
+        with self._cond:
+            start = 0
+            remaining = nbytes
+            # Chunks beyond one request's worth go first, in requests of their own.
+            while remaining > MAX_REQUEST_BYTES and len(chunks) - start > 1:
+                size = 0
+                group = start
+                while len(chunks) - group > 1 and (group == start or size + len(chunks[group].head)
+                                                   + chunks[group].data.nbytes <= MAX_REQUEST_BYTES):
+                    size += len(chunks[group].head) + chunks[group].data.nbytes
+                    group += 1
+                self._reserve(size)
+                self._add_chunks(chunks[start:group])
+                self._submit()
+                remaining -= size
+                start = group
+            tail = encode_release_keys(releases)
+            self._reserve(remaining + len(item) + len(tail))
+            self._add_chunks(chunks[start:])
+            self.batch.append(item)
+            self._batch_items.append((key, item, nbytes))
+            if releases:
+                self.batch.append(tail)
+                self._batch_releases.extend(releases)
+            self.batch_bytes += len(item) + len(tail)
+            self.in_flight_bytes += nbytes
+            if self.batch_bytes >= BATCH_BYTES or self._sender_idle:
+                self._submit()
 
     def send_releases(self, keys: Sequence[int]) -> None:
-        """Release chunks (sent at once: nothing waits for them)."""
-        if keys:
-            self.request(0).append(encode_release_keys(keys))
-        self.submit()
+        """Release chunks, and send whatever waits in the batch."""
+        with self._cond:
+            if keys:
+                tail = encode_release_keys(keys)
+                self._reserve(len(tail))
+                self.batch.append(tail)
+                self.batch_bytes += len(tail)
+                self._batch_releases.extend(keys)
+            self._submit()
 
-    def submit(self) -> None:
-        """Join the batch into one message (copying the column views) and queue it."""
+    def release_views(self, start: int, end: int) -> None:
+        """Send the batch if it views bytes in [start, end) (a column buffer about to be overwritten)."""
+        with self._cond:
+            for piece in self.batch or ():
+                if type(piece) is memoryview:
+                    address = piece.obj.ctypes.data
+                    if address < end and address + piece.nbytes > start:
+                        self._submit()
+                        return
+
+    # ------------------------------------------------------------ batches --
+    def _reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` more in the batch (sending a full one first); ``batch_bytes`` counts them."""
+        if self.batch is not None and self.batch_bytes + nbytes > MAX_REQUEST_BYTES:
+            self._submit()
+        if self.batch is None:
+            self.batch = []
+            self.batch_bytes = 0
+
+    def _add_chunks(self, chunks: Sequence[NewChunk]) -> None:
+        batch = self.batch
+        offset = self.batch_bytes
+        for chunk in chunks:
+            length = len(chunk.head) + chunk.data.nbytes
+            self._batch_chunks.append((chunk.key, offset, length))
+            batch += (chunk.head, chunk.data)
+            offset += length
+        self.batch_bytes = offset
+
+    def _submit(self) -> None:
+        """Join the batch into one message (copying the column views), keep what a resend needs, queue it."""
         batch, self.batch = self.batch, None
-        if batch:
-            message = b"".join(batch)
-            self._sender_idle = False
-            self._queue.put(message if self._raw else pb.InsertStreamRequest.FromString(message))
+        if not batch:
+            return
+        message = b"".join(batch)
+        whole = memoryview(message)
+        for key, offset, length in self._batch_chunks:
+            self._chunks[key] = whole[offset:offset + length]
+        now = time.monotonic()
+        for key, item, nbytes in self._batch_items:
+            self.pending[key] = _Pending(self._seq, item, nbytes, now)
+            self._seq += 1
+        for key in self._batch_releases:
+            self._released.append((self._seq, key))
+        self._batch_chunks, self._batch_items, self._batch_releases = [], [], []
+        self._sender_idle = False
+        self._queue.put(message if self._raw else pb.InsertStreamRequest.FromString(message))
+
+    def _take_batch(self, requests: queue.SimpleQueue) -> Any:
+        """The next request of the call reading ``requests``: the batch if it is that call's turn, else None."""
+        with self._cond:
+            if requests is not self._queue:
+                return None
+            if self.batch:
+                self._submit()
+                try:
+                    return requests.get_nowait()
+                except queue.Empty:
+                    return None
+            self._sender_idle = True
+            return None
+
+    def _requests(self, requests: queue.SimpleQueue) -> Iterator[Any]:
+        while True:
+            try:
+                request = requests.get_nowait()
+            except queue.Empty:
+                request = self._take_batch(requests)
+                if request is None:
+                    request = requests.get()
+            if request is None:
+                return
+            yield request
+
+    # ------------------------------------------------------------- calls --
+    def _run(self, first: tuple[Any, queue.SimpleQueue]) -> None:
+        """Read acknowledgements; after a transient end, wait for the daemon, open a new call and resend."""
+        failures = 0
+        call, requests = first
+        try:
+            while True:
+                error = self._read_acks(call)
+                with self._cond:
+                    self._in_call = False
+                    requests.put(None)  # ends the call's request thread
+                    if self._closing:
+                        return
+                    code = error.code() if isinstance(error, grpc.RpcError) else None
+                    if error is None or code in _TRANSIENT:
+                        if self._outage_since is None:
+                            self._outage_since = time.monotonic()
+                    else:
+                        self._fail_call_locked(error)
+                        while not self._wanted and not self._closing:
+                            self._cond.wait()
+                        failures = -1
+                failures += 1
+                if failures and not self._await_daemon(min(_MAX_BACKOFF_S, _MIN_BACKOFF_S * 2 ** (failures - 1))):
+                    return
+                with self._cond:
+                    if self._closing:
+                        return
+                    call, requests = self._open_locked()
+        finally:
+            if self._channel is not None:
+                self._channel.unsubscribe(self._on_connectivity)
+            with self._cond:
+                self.done = True
+                self._in_call = False
+                self._cond.notify_all()
+
+    def _open_locked(self) -> tuple[Any, queue.SimpleQueue]:
+        """A new call whose first requests resend what the server must hold (called under the lock)."""
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = requests
+        self._wanted = False
+        self._sender_idle = False
+        pieces = list(self._chunks.values()) + [p.item for p in self.pending.values()]
+        kept = [key for _, key in self._released]
+        if kept:
+            pieces.append(encode_release_keys(kept))
+        message: list = []
+        size = 0
+        for piece in pieces:
+            if message and size + len(piece) > MAX_REQUEST_BYTES:
+                self._queue.put(self._request(message))
+                message, size = [], 0
+            message.append(piece)
+            size += len(piece)
+        if message:
+            self._queue.put(self._request(message))
+        call = self._open_call(self._requests(requests), wait_for_ready=True)
+        self._call = call
+        self._in_call = True
+        return call, requests
+
+    def _request(self, pieces: list) -> Any:
+        message = b"".join(pieces)
+        return message if self._raw else pb.InsertStreamRequest.FromString(message)
+
+    def _read_acks(self, call: Any) -> BaseException | None:
+        try:
+            for response in call:
+                with self._cond:
+                    pending = self.pending
+                    for key in response.keys:
+                        entry = pending.pop(key, None)
+                        if entry is not None:
+                            self.in_flight_bytes -= entry.nbytes
+                    self._outage_since = None
+                    self._drop_released_locked()
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - an RpcError, or anything else: reported, never lost
+            return e
+        return None
+
+    def _drop_released_locked(self) -> None:
+        """Forget released chunks that no unacknowledged item uses."""
+        oldest = next(iter(self.pending.values())).seq if self.pending else self._seq
+        released = self._released
+        while released and released[0][0] <= oldest:
+            self._chunks.pop(released.popleft()[1], None)
+
+    def _fail_call_locked(self, error: BaseException) -> None:
+        """A non-transient end: the writer's next call raises it; its unacknowledged items are lost."""
+        self.error = error
+        self.lost += len(self.pending)
+        self.pending.clear()
+        self.in_flight_bytes = sum(nbytes for _, _, nbytes in self._batch_items)
+        self._drop_released_locked()
+        self._cond.notify_all()
+
+    def _await_daemon(self, backoff: float) -> bool:
+        """Wait (with back-off) until the channel is ready again; False when the stream is closing."""
+        deadline = time.monotonic() + backoff
+        while True:
+            with self._cond:
+                self._expire_locked()
+                if self._closing:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+            if self._channel is None:
+                return True
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=_READY_POLL_S)
+                return True
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+            except ValueError:  # the client's channel was closed: the next call fails and says so
+                return True
+
+    def _expire_locked(self) -> None:
+        """Give up the items unacknowledged for the reconnect timeout while the daemon has been away as long.
+
+        A call waiting for the daemon is cancelled: what it holds queued is
+        resent (without the given-up items) by the next call.
+        """
+        if self._outage_since is None:
+            return
+        limit = time.monotonic() - self._reconnect_timeout_s
+        if self._outage_since > limit:
+            return
+        self._submit()  # items in the batch count from now (their chunks are kept for later items)
+        expired = []
+        for key, entry in self.pending.items():
+            if entry.sent_at > limit:
+                break  # sent in order: the rest are younger
+            expired.append(key)
+        if not expired:
+            return
+        for key in expired:
+            self.in_flight_bytes -= self.pending.pop(key).nbytes
+        self.failed_keys.extend(expired)
+        self._drop_released_locked()
+        self._cond.notify_all()
+        if self._in_call:
+            self._cancel()
+
+    # ------------------------------------------------------------ writers --
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending) + len(self._batch_items)
+
+    def take_failure(self) -> tuple[BaseException | None, int, list[int]]:
+        """(the non-transient error, items it lost, keys given up) since the last call; clears them."""
+        with self._cond:
+            self._expire_locked()
+            error, lost, failed = self.error, self.lost, self.failed_keys
+            self.error, self.lost, self.failed_keys = None, 0, []
+            if error is not None:
+                self._wanted = True  # the next request gets a new call
+                self._cond.notify_all()
+            return error, lost, failed
 
     def wait(self, max_items: int, max_bytes: int, deadline: float | None) -> bool:
         """Block until at most max_items (and max_bytes) are in flight; False on timeout.
 
-        Returns True early when the stream failed or ended (the caller checks ``error``).
+        Returns True early when the stream failed, gave items up or ended (the caller checks).
         """
-        if len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
-            self.submit()  # what we wait for may sit in the batch (acks only lower the counts)
         with self._cond:
+            if self.in_flight > max_items or (self.in_flight and self.in_flight_bytes > max_bytes):
+                self._submit()  # what we wait for may sit in the batch (acks only lower the counts)
             while len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
-                if self.done or self.error is not None:
+                if self.done or self.error is not None or self.failed_keys:
                     return True
-                if deadline is None:
-                    self._cond.wait()
-                else:
+                self._expire_locked()
+                if self.failed_keys:
+                    return True
+                timeout = _READY_POLL_S
+                if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return False
-                    self._cond.wait(remaining)
+                    timeout = min(timeout, remaining)
+                self._cond.wait(timeout)
             return True
 
     def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
-        """Half-close; cancel if the server has not finished within ``timeout``."""
-        self.submit()
-        self._queue.put(None)
-        self._reader.join(timeout)
-        if self._reader.is_alive():
-            with self._cond:
-                self._closing = True
-            self._call.cancel()
-            self._reader.join(timeout)
+        """Half-close (the server finishes what it got); cancel if it has not finished within ``timeout``."""
+        with self._cond:
+            self._submit()
+            self._closing = True  # no reconnecting from here on
+            if self._queue is not None:
+                self._queue.put(None)
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._cancel()
+            self._thread.join(timeout)
 
     def abort(self) -> None:
-        """Cancel at once (after an error, or when the writer is dropped); once only.
+        """Cancel at once (when the writer is dropped); once only.
 
         A writer dropped at interpreter exit is aborted twice (by its finalizer at
         exit, then by ``__del__``), and gRPC calls made while the interpreter
@@ -223,11 +456,18 @@ class InsertStream:
         """
         with self._cond:
             if self._closing:
-                return  # aborted already, or cancelled by close()
+                return  # aborted already, or closed
             self._closing = True
-        self.batch = None
-        self._queue.put(None)
-        self._call.cancel()
+            self.batch = None
+            if self._queue is not None:
+                self._queue.put(None)
+            self._cond.notify_all()
+        self._cancel()
+
+    def _cancel(self) -> None:
+        call = self._call
+        if call is not None:
+            call.cancel()
 
 
 def close_stream(stream: InsertStream | None) -> None:

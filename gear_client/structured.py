@@ -1,41 +1,43 @@
-"""Reverb's ``reverb.structured``: items built from static patterns, on TrajectoryWriter.
+"""Structured-writer configs: patterns, conditions and priority functions (Reverb's patterns_pb2 and helpers).
 
 A *pattern* says, for every leaf of the item, which recent steps of which
 appended field it takes (``ref['obs'][-3:]``, ``ref['action'][-1]``); a
-*config* pairs a pattern with a table and *conditions* on when to apply it
+*config* pairs a pattern with a table, *conditions* on when to apply it
 (every step, every other step, at the end of the episode, when a flag in the
-data is set...). ``StructuredWriter.append`` applies every config whose
-conditions hold and whose pattern has enough history, inserting one item per
-config and step.
+data is set...) and a *priority* function (a constant, or the TD error of a
+field). ``structured_writer.StructuredWriter`` applies them.
 
 Reverb keeps configs as protos (patterns_pb2); here they are plain Python
 objects with the same field names, built by the same functions
-(``create_config``, ``pattern_from_transform``, ``Condition``).
+(``create_config``, ``pattern_from_transform``, ``Condition``,
+``constant_priority_fn``, ``td_error``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from gear_client.errors import DeadlineExceededError
-from gear_client.trajectory_writer import TrajectoryWriter
 from gear_contract import nest
 from gear_contract.specs import TensorSpec, to_tensor_spec
 
 __all__ = [
-    "Config",
+    "ApplyState",
     "Condition",
+    "ConditionProto",
+    "Config",
     "PatternNode",
-    "StructuredWriter",
+    "Priority",
+    "constant_priority_fn",
     "create_config",
     "create_reference_step",
     "infer_signature",
     "pattern_from_transform",
+    "td_error",
     "unpack_pattern",
 ]
 
@@ -101,7 +103,7 @@ class ConditionProto:
     mod_eq: ModuloEq | None = None
     inverse: bool = False
 
-    def left_value(self, state: _ApplyState, flat_step: Sequence[Any]) -> int:
+    def left_value(self, state: ApplyState, flat_step: Sequence[Any]) -> int:
         if self.step_index:
             return state.step_index
         if self.steps_since_applied:
@@ -119,7 +121,7 @@ class ConditionProto:
             return int(array)
         raise ValueError("condition has no left-hand side")
 
-    def holds(self, state: _ApplyState, flat_step: Sequence[Any]) -> bool:
+    def holds(self, state: ApplyState, flat_step: Sequence[Any]) -> bool:
         left = self.left_value(state, flat_step)
         if self.mod_eq is not None:
             result = left % self.mod_eq.mod == self.mod_eq.eq
@@ -145,13 +147,90 @@ class ConditionProto:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConstantPriorityFn:
+    value: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TDError:
+    """``max_priority_weight * max|td| + (1 - max_priority_weight) * mean|td|`` over the item's steps of a field."""
+
+    max_priority_weight: float = 0.0
+    flat_source_index: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Priority:
+    """How a config's items get their priority: exactly one of ``constant_fn`` and ``td_error``."""
+
+    constant_fn: ConstantPriorityFn | None = None
+    td_error: TDError | None = None
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - Reverb code calls the proto method
+        return getattr(self, name) is not None
+
+    def WhichOneof(self, name: str) -> str | None:  # noqa: N802 - Reverb code calls the proto method
+        if name != "priority_fn":
+            raise ValueError(f"Priority has no oneof {name!r}")
+        return "constant_fn" if self.constant_fn is not None else "td_error" if self.td_error is not None else None
+
+    def validate(self, pattern_sources: set[int]) -> None:
+        """Check the function; a TD error must come from a field the pattern takes."""
+        if (self.constant_fn is None) == (self.td_error is None):
+            raise ValueError("a priority needs exactly one of constant_fn and td_error")
+        if self.constant_fn is not None:
+            value = self.constant_fn.value
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"a constant priority must be a finite number >= 0, got {value}")
+            return
+        weight = self.td_error.max_priority_weight
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"max_priority_weight must be in [0, 1], got {weight}")
+        if self.td_error.flat_source_index not in pattern_sources:
+            raise ValueError(f"td_error is computed from field {self.td_error.flat_source_index} of the step, which "
+                             f"the pattern does not take (it takes fields {sorted(pattern_sources)})")
+
+    def of(self, flat: Sequence[PatternNode], columns: Sequence[Any]) -> float:
+        """The priority of an item made of ``columns`` (TrajectoryColumns, one per node of ``flat``)."""
+        if self.constant_fn is not None:
+            return float(self.constant_fn.value)
+        td = self.td_error
+        for node, column in zip(flat, columns, strict=True):
+            if node.flat_source_index == td.flat_source_index:
+                errors = np.abs(np.asarray(column.numpy(), dtype=np.float64))
+                if not errors.size:
+                    return 0.0
+                return float(td.max_priority_weight * errors.max() + (1.0 - td.max_priority_weight) * errors.mean())
+        raise ValueError(f"td_error field {td.flat_source_index} is not in the pattern")
+
+
+def constant_priority_fn(value: float) -> Priority:
+    """A priority function that always returns ``value``."""
+    return Priority(constant_fn=ConstantPriorityFn(value=float(value)))
+
+
+def td_error(max_priority_weight: float, step_structure: Any,
+             get_field_from_step_fn: Callable[[Any], Any]) -> Priority:
+    """A priority function: the item's TD error (R2D2's mix of the max and the mean of a per-step field).
+
+    ``get_field_from_step_fn`` picks the field holding the per-step TD error from
+    a step structure; the pattern must take that field (once).
+    """
+    n = len(nest.flatten_with_paths(step_structure, none_is_leaf=True))
+    index = get_field_from_step_fn(_pack_none_leaves(step_structure, iter(range(n))))
+    if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+        raise ValueError(f"get_field_from_step_fn must pick one field of the step, got {index!r}")
+    return Priority(td_error=TDError(max_priority_weight=float(max_priority_weight), flat_source_index=int(index)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Insert ``flat`` (unflattened by ``pattern_structure``) into ``table`` when every condition holds."""
 
     flat: tuple[PatternNode, ...]
     pattern_structure: Any  # the pattern's structure (a gear.v1.Structure; None: a flat list of nodes)
     table: str
-    priority: float = 1.0
+    priority: Priority = dataclasses.field(default_factory=lambda: constant_priority_fn(1.0))
     conditions: tuple[ConditionProto, ...] = ()
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - Reverb code calls the proto method
@@ -198,8 +277,9 @@ def pattern_from_transform(step_structure: Any, transform: Callable[[ReferenceSt
     return transform(create_reference_step(step_structure))
 
 
-def create_config(pattern: Pattern, table: str, conditions: Sequence[ConditionProto] = ()) -> Config:
-    """A config inserting ``pattern`` into ``table`` whenever all ``conditions`` hold."""
+def create_config(pattern: Pattern, table: str, conditions: Sequence[ConditionProto] = (),
+                  priority: Priority | None = None) -> Config:
+    """A config inserting ``pattern`` into ``table`` whenever all ``conditions`` hold (priority 1.0 by default)."""
     flat = nest.flatten(pattern)
     if not flat:
         raise ValueError("a pattern needs at least one node")
@@ -210,8 +290,13 @@ def create_config(pattern: Pattern, table: str, conditions: Sequence[ConditionPr
     for condition in conditions:
         if not isinstance(condition, ConditionProto):
             raise TypeError(f"conditions must be built with Condition, got {type(condition)}")
+    if priority is None:
+        priority = constant_priority_fn(1.0)
+    if not isinstance(priority, Priority):
+        raise TypeError(f"priority must be made with constant_priority_fn or td_error, got {type(priority)}")
+    priority.validate({node.flat_source_index for node in flat})
     structure = nest.structure_of(pattern)
-    return Config(flat=tuple(flat), pattern_structure=structure, table=table, priority=1.0,
+    return Config(flat=tuple(flat), pattern_structure=structure, table=table, priority=priority,
                   conditions=tuple(conditions))
 
 
@@ -317,123 +402,9 @@ class Condition:
 
 
 @dataclasses.dataclass
-class _ApplyState:
+class ApplyState:
+    """What conditions look at, per config: the newest step's index, steps since its last item, episode end."""
+
     step_index: int = -1
     steps_since_applied: int = 0
     end_of_episode: bool = False
-
-
-class StructuredWriter:
-    """Appends steps and inserts the items its configs describe (``client.structured_writer(configs)``)."""
-
-    def __init__(self, client: Any, configs: Sequence[Config]):
-        if not configs:
-            raise ValueError("At least one config must be provided.")
-        for config in configs:
-            if not isinstance(config, Config):
-                raise TypeError(f"configs must be made with create_config, got {type(config)}")
-            for node in config.flat:
-                node.validate()
-        self._configs = [copy.copy(c) for c in configs]
-        keep = max(node.history_needed() for c in configs for node in c.flat)
-        self._writer = TrajectoryWriter(client, max(1, keep))
-        self._flat_data_length: int | None = None
-        self._states = [_ApplyState() for _ in configs]
-        self._step_index = -1
-        self._last_flat: list[Any] = []
-        self._step_open = False
-
-    def __enter__(self) -> StructuredWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        try:
-            if exc_type is None:
-                self.flush()
-        finally:
-            self._writer.close()
-
-    @property
-    def step_is_open(self) -> bool:
-        """True if ``partial_step`` was set in the most recent ``append``."""
-        return self._step_open
-
-    def append(self, data: Any, *, partial_step: bool = False) -> None:
-        """Append a step (same flattened length every time; None leaves allowed), then apply the configs."""
-        flat = [leaf for _, leaf in nest.flatten_with_paths(data, none_is_leaf=True)]
-        if self._flat_data_length is None:
-            self._flat_data_length = len(flat)
-            for config in self._configs:
-                for node in config.flat:
-                    if node.flat_source_index >= len(flat):
-                        raise ValueError(f"config for table '{config.table}' references field "
-                                         f"{node.flat_source_index} of a step with {len(flat)} fields")
-                for condition in config.conditions:
-                    condition.validate(len(flat))
-        if len(flat) != self._flat_data_length:
-            raise ValueError(f"Flattened data has an unexpected length, got {len(flat)} but wanted "
-                             f"{self._flat_data_length}")
-        if not self._step_open:
-            self._step_index += 1
-            self._last_flat = flat
-        else:
-            self._last_flat = [new if new is not None else old for new, old in zip(flat, self._last_flat,
-                                                                                    strict=True)]
-        self._writer.append(tuple(flat), partial_step=partial_step)
-        self._step_open = partial_step
-        if not partial_step:
-            for state in self._states:
-                state.step_index = self._step_index
-                state.steps_since_applied += 1
-            self._apply(end_of_episode=False)
-
-    def _apply(self, end_of_episode: bool) -> None:
-        if self._step_index < 0:
-            return
-        history = self._writer.history
-        for config, state in zip(self._configs, self._states, strict=True):
-            state.end_of_episode = end_of_episode
-            if end_of_episode and not any(c.is_end_episode for c in config.conditions):
-                continue  # at the end of an episode only configs conditioned on it apply
-            if not all(c.holds(state, self._last_flat) for c in config.conditions):
-                continue
-            columns = []
-            for node in config.flat:
-                column_history = history[node.flat_source_index]
-                if node.history_needed() > len(column_history):
-                    break
-                try:
-                    if node.is_slice:
-                        columns.append(column_history[node.start:node.stop:node.step])
-                    else:
-                        columns.append(column_history[node.stop])
-                except ValueError:  # a referenced step has no value for this field
-                    break
-            else:
-                trajectory = (nest.unflatten(config.pattern_structure, columns)
-                              if config.pattern_structure is not None else columns)
-                self._writer.create_item(config.table, config.priority, trajectory)
-                state.steps_since_applied = 0
-
-    def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
-        """Block until all but ``block_until_num_items`` items are confirmed by the server."""
-        self._writer.flush(block_until_num_items, timeout_ms)
-
-    def end_episode(self, clear_buffers: bool = True, timeout_ms: int | None = None) -> None:
-        """Apply the end-of-episode configs, flush, and start a new episode."""
-        if self._step_open:
-            raise ValueError("end_episode called while a partial step is open")
-        self._apply(end_of_episode=True)
-        try:
-            self._writer.end_episode(clear_buffers, timeout_ms)
-        except DeadlineExceededError:
-            raise
-        finally:
-            self._step_index = -1
-            for state in self._states:
-                state.step_index = -1
-                state.steps_since_applied = 0
-                state.end_of_episode = False
-
-    def close(self) -> None:
-        self._writer.close()

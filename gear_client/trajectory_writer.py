@@ -28,7 +28,13 @@ import numpy as np
 
 from gear_client.chunker import Chunker, NewChunk
 from gear_client.column_buffer import ColumnBuffer
-from gear_client.errors import DeadlineExceededError, ReverbError, ServiceError, from_rpc_error
+from gear_client.errors import (
+    DeadlineExceededError,
+    ItemsNotInsertedError,
+    ReverbError,
+    ServiceError,
+    from_rpc_error,
+)
 from gear_client.insert_stream import InsertStream, close_stream
 from gear_client.step_layout import StepLayout
 from gear_client.trajectory_column import DataReference, StepCount, TrajectoryColumn
@@ -41,6 +47,9 @@ __all__ = ["TrajectoryWriter", "TrajectoryColumn", "DataReference"]
 
 DEFAULT_MAX_IN_FLIGHT_ITEMS = 128
 DEFAULT_MAX_IN_FLIGHT_BYTES = 256 << 20
+# How long a writer waits for a daemon that went away before it gives up the unacknowledged items.
+DEFAULT_RECONNECT_TIMEOUT_S = 60.0
+RECONNECT_TIMEOUT_ENV = "GEAR_WRITER_RECONNECT_TIMEOUT_S"
 
 
 class TrajectoryWriter:
@@ -51,7 +60,7 @@ class TrajectoryWriter:
 
     def __init__(self, client: Any, num_keep_alive_refs: int, *, validate_items: bool = True,
                  max_in_flight_items: int = DEFAULT_MAX_IN_FLIGHT_ITEMS,
-                 max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES):
+                 max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES, reconnect_timeout_s: float | None = None):
         if int(num_keep_alive_refs) < 1:
             raise ValueError(f"num_keep_alive_refs ({num_keep_alive_refs}) must be a positive integer")
         if int(max_in_flight_items) < 1:
@@ -61,6 +70,7 @@ class TrajectoryWriter:
         self._validate_items = bool(validate_items)
         self._max_in_flight = int(max_in_flight_items)
         self._max_in_flight_bytes = int(max_in_flight_bytes)
+        self._reconnect_timeout_s = _reconnect_timeout(reconnect_timeout_s)
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._episode_id = self._new_id()
         self._layout = StepLayout(self._keep)
@@ -70,7 +80,6 @@ class TrajectoryWriter:
         self._step = -1  # episode step of the last (possibly open) step
         self._episode_steps = 0  # completed steps this episode
         self._stream: InsertStream | None = None
-        self._unsent = False  # the stream's batch holds data not yet handed to gRPC
         self._finalizer = weakref.finalize(self, close_stream, None)
         self._chunker = Chunker()
         self._table_infos: dict[str, pb.TableInfo] = {}
@@ -132,22 +141,9 @@ class TrajectoryWriter:
             values = data if getter is None else getter(data)
             if all(map(ColumnBuffer.accepts_as_is, plan.columns, values)):
                 self._commit(plan.columns, values, plan.missing, partial_step)
-                if self._unsent:
-                    self._send_if_idle()
                 return
         columns, values, missing = self._layout.flatten(data, self._hist_len.n, self._episode_id)
         self._commit(columns, values, missing, partial_step)
-        if self._unsent:
-            self._send_if_idle()
-
-    def _send_if_idle(self) -> None:
-        """Send a batch left waiting for a busy sender once the sender is free."""
-        stream = self._stream
-        if stream is None or stream.batch is None:
-            self._unsent = False
-        elif stream._sender_idle:
-            stream.submit()
-            self._unsent = False
 
     def create_item(self, table: str, priority: float, trajectory: Any) -> None:
         """Send an item of ``table`` made of the trajectory's columns (blocks past max_in_flight_items)."""
@@ -198,7 +194,6 @@ class TrajectoryWriter:
         key = self._new_id()
         stream.send_item(chunks, key, encode_insert_item(key, table.encode(), priority, structure, item_columns),
                          self._chunker.take_releases())
-        self._unsent = stream.batch is not None
 
     def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
         """Block until at most ``block_until_num_items`` items are unacknowledged by the server."""
@@ -210,7 +205,6 @@ class TrajectoryWriter:
             return
         self._chunker.collect_releases(self._columns)
         stream.send_releases(self._chunker.take_releases())
-        self._unsent = False
         deadline = None if timeout_ms is None or timeout_ms < 0 else time.monotonic() + timeout_ms / 1000.0
         ok = stream.wait(block_until_num_items, 1 << 62, deadline)
         self._raise_stream_error("flush")
@@ -250,7 +244,7 @@ class TrajectoryWriter:
                 stream.close()
             else:
                 stream.abort()
-        self._reset_chunks()
+        self._chunker.forget(self._columns)  # a new stream starts empty
 
     # ---------------------------------------------------------- appending --
     def _commit(self, columns: list[ColumnBuffer], values: Sequence[Any], missing: list[ColumnBuffer],
@@ -317,9 +311,8 @@ class TrajectoryWriter:
         self._raise_stream_error(operation)
         stream = self._stream
         if stream is None or stream.done:
-            self._reset_chunks()
             try:
-                stream = self._stream = InsertStream(self._client)
+                stream = self._stream = InsertStream(self._client, self._reconnect_timeout_s)
             except grpc.RpcError as e:
                 raise from_rpc_error(e, operation) from e
             except (ValueError, RuntimeError) as e:  # e.g. the client's channel was closed
@@ -334,37 +327,28 @@ class TrajectoryWriter:
         Chunks are views of column buffers until their batch is joined into a
         message (see ``ColumnBuffer.compact``).
         """
-        stream = self._stream
-        if stream is None or not stream.batch:
-            return
-        start = target.ctypes.data
-        end = start + target.nbytes
-        for piece in stream.batch:
-            if type(piece) is memoryview:
-                address = piece.obj.ctypes.data
-                if address < end and address + piece.nbytes > start:
-                    stream.submit()
-                    return
+        if self._stream is not None:
+            self._stream.release_views(target.ctypes.data, target.ctypes.data + target.nbytes)
 
     def _raise_stream_error(self, operation: str) -> None:
+        """Raise what the transport failed since the last call (Reverb's exception types)."""
         stream = self._stream
-        if stream is None or stream.error is None:
+        if stream is None:
             return
-        error = stream.error
-        lost = stream.in_flight
-        self._stream = None
-        self._finalizer.detach()
-        stream.abort()
-        self._reset_chunks()
+        error, lost, failed = stream.take_failure()
+        if failed:
+            shown = ", ".join(str(k) for k in failed[:8]) + (", ..." if len(failed) > 8 else "")
+            raise ItemsNotInsertedError(
+                f"{operation}: {len(failed)} items were not inserted: the daemon at "
+                f"{_address_of(self._client)} was unreachable for {self._reconnect_timeout_s:g} s "
+                f"(reconnect_timeout_s / {RECONNECT_TIMEOUT_ENV}); keys: {shown}", failed)
+        if error is None:
+            return
         if isinstance(error, grpc.RpcError):
             raise from_rpc_error(error, operation) from error
         if isinstance(error, Exception) and lost and not isinstance(error, ServiceError):
             raise ServiceError(f"{operation}: the insert stream failed: {error}") from error
         raise error
-
-    def _reset_chunks(self) -> None:
-        """Forget what the server holds (a new stream starts empty)."""
-        self._chunker.forget(self._columns)
 
     def _new_id(self) -> int:
         return self._rng.getrandbits(64) or 1
@@ -384,3 +368,25 @@ def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtyp
             return (f"Unable to create item in table '{table}': {label} has dtype {dtype} and shape {list(shape)} "
                     f"but the table signature expects dtype {spec.dtype} and shape {list(spec.shape)}")
     return None
+
+
+def _reconnect_timeout(value: float | None) -> float:
+    """The keyword, else ``GEAR_WRITER_RECONNECT_TIMEOUT_S``, else the default; must be positive."""
+    source = "reconnect_timeout_s"
+    if value is None:
+        text = os.environ.get(RECONNECT_TIMEOUT_ENV)
+        if not text:
+            return DEFAULT_RECONNECT_TIMEOUT_S
+        source = RECONNECT_TIMEOUT_ENV
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{RECONNECT_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {value}")
+    return float(value)
+
+
+def _address_of(client: Any) -> str:
+    address = getattr(client, "server_address", None)
+    return str(address) if isinstance(address, str) else "the client's address"

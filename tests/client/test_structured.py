@@ -1,11 +1,11 @@
-"""reverb.structured on TrajectoryWriter: patterns, conditions, configs, against the recording servicer."""
+"""reverb.structured_writer on TrajectoryWriter: patterns, conditions, configs, priorities, against the recording servicer."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gear_client import structured
+from gear_client import structured_writer as structured
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.specs import TensorSpec
 
@@ -120,3 +120,68 @@ def test_infer_signature():
     with pytest.raises(ValueError, match="dtypes"):
         structured.infer_signature([c1, structured.create_config({"obs": ref["action"][-3:],
                                                                   "act": ref["action"][-1]}, "a")], step_spec)
+
+
+def test_the_module_is_reverbs_structured_writer():
+    import gear_client as reverb
+    from gear_client import structured_writer as sw
+
+    assert reverb.structured_writer is sw
+    for name in ("StructuredWriter", "Config", "Condition", "create_config", "create_reference_step",
+                 "pattern_from_transform", "infer_signature", "unpack_pattern", "constant_priority_fn", "td_error"):
+        assert hasattr(sw, name), name
+
+
+def test_constant_and_td_error_priorities(server, client):
+    step_structure = {"obs": None, "td": None}
+    const = structured.create_config(structured.pattern_from_transform(step_structure, lambda s: s["obs"][-1]), "a",
+                                     priority=structured.constant_priority_fn(2.5))
+    default = structured.create_config(structured.pattern_from_transform(step_structure, lambda s: s["obs"][-1]), "c")
+    td = structured.td_error(0.9, step_structure, lambda s: s["td"])
+    assert td.WhichOneof("priority_fn") == "td_error" and td.td_error.flat_source_index == 1
+    r2d2 = structured.create_config(structured.pattern_from_transform(
+        step_structure, lambda s: {"obs": s["obs"][-3:], "td": s["td"][-3:]}), "b", priority=td)
+    with structured.StructuredWriter(client, [const, r2d2, default]) as w:
+        for i, err in enumerate([1.0, -4.0, 2.0, -0.5]):
+            w.append({"obs": np.float32(i), "td": np.float32(err)})
+    items = server.servicer.items
+    assert {i.priority for i in items if i.table == "a"} == {2.5}
+    assert {i.priority for i in items if i.table == "c"} == {1.0}
+    got = [i.priority for i in items if i.table == "b"]
+    expected = [0.9 * 4.0 + 0.1 * (1.0 + 4.0 + 2.0) / 3, 0.9 * 4.0 + 0.1 * (4.0 + 2.0 + 0.5) / 3]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_priority_functions_are_checked():
+    ref = structured.create_reference_step({"obs": None, "td": None})
+    with pytest.raises(ValueError, match="does not take"):  # the TD error field must be in the pattern
+        structured.create_config(ref["obs"][-1], "a", priority=structured.td_error(0.5, {"obs": None, "td": None},
+                                                                                   lambda s: s["td"]))
+    with pytest.raises(ValueError, match="max_priority_weight"):
+        structured.create_config(ref["td"][-1], "a", priority=structured.td_error(1.5, {"obs": None, "td": None},
+                                                                                  lambda s: s["td"]))
+    with pytest.raises(ValueError, match=">= 0"):
+        structured.create_config(ref["td"][-1], "a", priority=structured.constant_priority_fn(-1.0))
+    with pytest.raises(TypeError):
+        structured.create_config(ref["td"][-1], "a", priority=3.0)
+
+
+def test_end_episode_finishes_an_open_partial_step(server, client):
+    step_structure = {"obs": None, "act": None}
+    every_step = structured.create_config(structured.pattern_from_transform(
+        step_structure, lambda s: {"obs": s["obs"][-1]}), "a")
+    at_end = structured.create_config(structured.pattern_from_transform(
+        step_structure, lambda s: s["obs"][-2:]), "b", conditions=[structured.Condition.is_end_episode()])
+    w = structured.StructuredWriter(client, [every_step, at_end])
+    w.append({"obs": np.int64(0), "act": np.int64(0)})
+    w.append({"obs": np.int64(1), "act": None}, partial_step=True)
+    assert w.step_is_open
+    w.end_episode()  # Reverb finishes the step: its items are created, then the end-of-episode ones
+    assert not w.step_is_open
+    got = by_table(server)
+    assert [int(d["obs"]) for d in got["a"]] == [0, 1]
+    assert [list(d) for d in got["b"]] == [[0, 1]]
+    w.append({"obs": np.int64(5), "act": np.int64(5)})  # a new episode starts clean
+    w.flush()
+    assert [int(d["obs"]) for d in by_table(server)["a"]] == [0, 1, 5]
+    w.close()

@@ -481,18 +481,9 @@ def test_clients_without_a_channel_use_the_stub(server, client):
 def test_batched_items_survive_buffer_compaction(server, client, monkeypatch):
     """Items batched while gRPC is busy reference rows a compaction moves: they are sent first."""
     from gear_client import insert_stream
-    from gear_client import trajectory_writer as tw
 
-    def added_without_idle_send(self, key=None, nbytes=0):
-        if key is not None:
-            with self._cond:
-                self.pending[key] = nbytes
-                self.in_flight_bytes += nbytes
-        if self.batch_bytes >= insert_stream.BATCH_BYTES:
-            self.submit()
-
-    monkeypatch.setattr(insert_stream.InsertStream, "added", added_without_idle_send)
-    monkeypatch.setattr(tw.TrajectoryWriter, "_send_if_idle", lambda self: None)
+    # gRPC's request thread never takes the batch itself: it goes out when full, before a compaction, or on flush.
+    monkeypatch.setattr(insert_stream.InsertStream, "_take_batch", lambda self, requests: None)
     w = TrajectoryWriter(client, 2)
     expected = []
     for i in range(10000):  # the 2-row window's buffers (4098 rows) take turns twice
@@ -507,23 +498,28 @@ def test_batched_items_survive_buffer_compaction(server, client, monkeypatch):
     w.close()
 
 
-def test_server_going_away_surfaces_as_reverb_error(client):
-    from gear_client.errors import ReverbError
+def test_a_server_that_never_comes_back_fails_the_items_with_their_keys(client):
+    from gear_client.errors import ItemsNotInsertedError
 
     srv = LoopbackServer()
     c = FakeClient(srv.address, {"t": pb.TableInfo(name="t")})
     srv.servicer.ack_gate = threading.Semaphore(0)  # the item stays unacknowledged
-    w = TrajectoryWriter(c, 4)
+    w = TrajectoryWriter(c, 4, reconnect_timeout_s=0.5)
     w.append({"r": np.int64(1)})
     w.create_item("t", 1.0, w.history["r"][:])
     deadline = time.monotonic() + 10
     while not srv.servicer.requests and time.monotonic() < deadline:
         time.sleep(0.01)
+    key = srv.servicer.requests[0].items[0].key
     srv.stop()
-    with pytest.raises(ReverbError) as info:
+    started = time.monotonic()
+    with pytest.raises(ItemsNotInsertedError, match="1 items were not inserted.*unreachable for 0.5 s") as info:
         w.flush(timeout_ms=10_000)
+    assert time.monotonic() - started < 5
     assert isinstance(info.value, RuntimeError)  # what Reverb raises for an unavailable server
+    assert info.value.keys == (key,)
     assert srv.servicer.items == []  # the cut-off stream left no item behind
+    w.flush(timeout_ms=1000)  # nothing pending: no error
     w.close()
     c.close()
 
