@@ -9,6 +9,7 @@ ceiling, against the goal of 0.46 GB/s on a 2-core machine. ``--target daemon``
 measures against gear's own daemon instead (a FIFO table of 256 items).
 
     .venv/bin/python bench/bench_writer.py [--items 2048] [--steps 64] [--obs 1024] [--target daemon]
+                                           [--pipeline 8]
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class _Client:
         return self._info
 
 
-def run(items: int, steps: int, obs_size: int, target: str = "discard") -> dict:
+def run(items: int, steps: int, obs_size: int, target: str = "discard", pipeline: int | None = None) -> dict:
     from gear_client.trajectory_writer import TrajectoryWriter
 
     ctx = mp.get_context("spawn")
@@ -115,6 +116,8 @@ def run(items: int, steps: int, obs_size: int, target: str = "discard") -> dict:
                 "action": history["action"][-steps:],
                 "reward": history["reward"][-steps:],
             })
+            if pipeline is not None:
+                writer.flush(block_until_num_items=pipeline)
         writer.flush()
         elapsed = time.perf_counter() - start
         usage1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -146,13 +149,16 @@ def main() -> None:
                         help="override insert_stream.BATCH_BYTES (items per request under load)")
     parser.add_argument("--target", choices=["discard", "daemon"], default="discard",
                         help="discard: a servicer that only acknowledges (the writer's ceiling); daemon: gear's")
+    parser.add_argument("--pipeline", type=int, default=None,
+                        help="flush(block_until_num_items=N) after each item (a bounded pipeline, as make bench)")
     args = parser.parse_args()
     if args.batch_bytes is not None:
         from gear_client import insert_stream
 
         insert_stream.BATCH_BYTES = args.batch_bytes
-    r = run(args.items, args.steps, args.obs, args.target)
-    print(f"target: {args.target}")
+    r = run(args.items, args.steps, args.obs, args.target, args.pipeline)
+    print(f"target: {args.target}" + (f", flush(block_until_num_items={args.pipeline}) after each item"
+                                      if args.pipeline is not None else ""))
     print(f"writer: {r['items']} items x {r['steps']} steps ({r['item_bytes'] / 1e3:.1f} kB/item) in "
           f"{r['seconds']:.3f} s")
     print(f"  throughput {r['gbps']:.3f} GB/s (goal {GOAL_GBPS} GB/s, {r['gbps'] / GOAL_GBPS:.0%} of goal)")

@@ -230,8 +230,8 @@ class Client:
                           get_signature_timeout_ms: int | None = 3000, reconnect_timeout_s: float | None = None):
         """A ``TrajectoryWriter`` whose items may reach ``num_keep_alive_refs`` steps back.
 
-        ``reconnect_timeout_s`` (default ``GEAR_WRITER_RECONNECT_TIMEOUT_S`` or 60 s): how long the writer
-        waits for a daemon that went away before it gives up the unacknowledged items.
+        ``reconnect_timeout_s`` (default: this client's connect timeout): how long the writer waits for a
+        daemon that went away before it gives up the unacknowledged items (ItemsNotInsertedError).
         """
         if num_keep_alive_refs < 1:
             raise ValueError(f"num_keep_alive_refs ({num_keep_alive_refs}) must be a positive integer")

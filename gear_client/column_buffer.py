@@ -96,12 +96,6 @@ class ColumnBuffer:
             )
         return arr
 
-    def accepts_as_is(self, value: Any) -> bool:
-        """Whether ``value`` can be stored without ``convert`` (the append fast path's check)."""
-        if type(value) is np.ndarray:
-            return value.shape == self.shape and value.dtype == self.dtype
-        return type(value) in self.fast_types
-
     def store(self, value: Any, step: int, before_move: BeforeMove | None) -> int:
         """Write one row (the step's value) after the last; returns its row number."""
         row = self.nrows

@@ -33,7 +33,7 @@ import grpc
 from gear_client.chunker import NewChunk
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
-from gear_contract.wire import encode_release_keys
+from gear_contract.wire import encode_release_keys, mark_resend
 
 __all__ = ["InsertStream", "close_stream"]
 
@@ -290,7 +290,9 @@ class InsertStream:
         self._queue = requests
         self._wanted = False
         self._sender_idle = False
-        pieces = list(self._chunks.values()) + [p.item for p in self.pending.values()]
+        # Items sent before may be in the table already (inserted, the acknowledgement lost): marked as
+        # resent, the table leaves an existing key as it is.
+        pieces = list(self._chunks.values()) + [mark_resend(p.item) for p in self.pending.values()]
         kept = [key for _, key in self._released]
         if kept:
             pieces.append(encode_release_keys(kept))

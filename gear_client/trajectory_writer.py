@@ -47,9 +47,9 @@ __all__ = ["TrajectoryWriter", "TrajectoryColumn", "DataReference"]
 
 DEFAULT_MAX_IN_FLIGHT_ITEMS = 128
 DEFAULT_MAX_IN_FLIGHT_BYTES = 256 << 20
-# How long a writer waits for a daemon that went away before it gives up the unacknowledged items.
-DEFAULT_RECONNECT_TIMEOUT_S = 60.0
-RECONNECT_TIMEOUT_ENV = "GEAR_WRITER_RECONNECT_TIMEOUT_S"
+# How long a writer waits for a daemon that went away before it gives up the unacknowledged items, when
+# neither the keyword nor the client says (a Client's connect timeout is the default).
+DEFAULT_RECONNECT_TIMEOUT_S = 30.0
 
 
 class TrajectoryWriter:
@@ -70,7 +70,7 @@ class TrajectoryWriter:
         self._validate_items = bool(validate_items)
         self._max_in_flight = int(max_in_flight_items)
         self._max_in_flight_bytes = int(max_in_flight_bytes)
-        self._reconnect_timeout_s = _reconnect_timeout(reconnect_timeout_s)
+        self._reconnect_timeout_s = _reconnect_timeout(reconnect_timeout_s, client)
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._episode_id = self._new_id()
         self._layout = StepLayout(self._keep)
@@ -139,11 +139,21 @@ class TrajectoryWriter:
         if plan is not None:
             getter = plan.getter
             values = data if getter is None else getter(data)
-            if all(map(ColumnBuffer.accepts_as_is, plan.columns, values)):
-                self._commit(plan.columns, values, plan.missing, partial_step)
+            columns = plan.columns
+            for column, x in zip(columns, values):  # noqa: B905 - same length by construction
+                if type(x) is np.ndarray:
+                    if x.shape != column.shape or x.dtype != column.dtype:
+                        break
+                elif type(x) not in column.fast_types:
+                    break
+            else:
+                self._new_step(columns, values, plan.missing, partial_step)
                 return
         columns, values, missing = self._layout.flatten(data, self._hist_len.n, self._episode_id)
-        self._commit(columns, values, missing, partial_step)
+        if self._open:
+            self._fill_open_step(columns, values, partial_step)
+        else:
+            self._new_step(columns, values, missing, partial_step)
 
     def create_item(self, table: str, priority: float, trajectory: Any) -> None:
         """Send an item of ``table`` made of the trajectory's columns (blocks past max_in_flight_items)."""
@@ -247,25 +257,30 @@ class TrajectoryWriter:
         self._chunker.forget(self._columns)  # a new stream starts empty
 
     # ---------------------------------------------------------- appending --
-    def _commit(self, columns: list[ColumnBuffer], values: Sequence[Any], missing: list[ColumnBuffer],
-                partial_step: bool) -> None:
-        """Store the step's values (a new step, or the rest of the open one) and record them in the history."""
-        if self._open:
-            for column in columns:
-                if not column.hist or column.hist[-1] is not None:
-                    raise ValueError(
-                        f"Field {column.name} has already been set in the active step by previous (partial) append "
-                        f"call and thus must be omitted or set to None")
-            step = self._step
-            for column, x in zip(columns, values, strict=True):
-                column.hist[-1] = column.store(x, step, self._release_views)
-        else:
-            self._step = step = self._step + 1
-            self._hist_len.n += 1
-            for column, x in zip(columns, values, strict=True):
-                column.hist.append(column.store(x, step, self._release_views))
-            for column in missing:
-                column.hist.append(None)
+    def _new_step(self, columns: list[ColumnBuffer], values: Sequence[Any], missing: list[ColumnBuffer],
+                  partial_step: bool) -> None:
+        """Store a new step's values and record them (and the columns without data) in the history."""
+        self._step = step = self._step + 1
+        self._hist_len.n += 1
+        release_views = self._release_views
+        for column, x in zip(columns, values):  # noqa: B905 - same length by construction
+            column.hist.append(column.store(x, step, release_views))
+        for column in missing:
+            column.hist.append(None)
+        self._open = partial_step
+        if not partial_step:
+            self._episode_steps += 1
+
+    def _fill_open_step(self, columns: list[ColumnBuffer], values: Sequence[Any], partial_step: bool) -> None:
+        """Store the rest of the step opened with ``partial_step`` (each field at most once)."""
+        for column in columns:
+            if not column.hist or column.hist[-1] is not None:
+                raise ValueError(
+                    f"Field {column.name} has already been set in the active step by previous (partial) append "
+                    f"call and thus must be omitted or set to None")
+        step = self._step
+        for column, x in zip(columns, values, strict=True):
+            column.hist[-1] = column.store(x, step, self._release_views)
         self._open = partial_step
         if not partial_step:
             self._episode_steps += 1
@@ -341,7 +356,7 @@ class TrajectoryWriter:
             raise ItemsNotInsertedError(
                 f"{operation}: {len(failed)} items were not inserted: the daemon at "
                 f"{_address_of(self._client)} was unreachable for {self._reconnect_timeout_s:g} s "
-                f"(reconnect_timeout_s / {RECONNECT_TIMEOUT_ENV}); keys: {shown}", failed)
+                f"(reconnect_timeout_s, by default the client's connect_timeout); keys: {shown}", failed)
         if error is None:
             return
         if isinstance(error, grpc.RpcError):
@@ -370,20 +385,14 @@ def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtyp
     return None
 
 
-def _reconnect_timeout(value: float | None) -> float:
-    """The keyword, else ``GEAR_WRITER_RECONNECT_TIMEOUT_S``, else the default; must be positive."""
-    source = "reconnect_timeout_s"
+def _reconnect_timeout(value: float | None, client: Any) -> float:
+    """The keyword, else the client's connect timeout (``connect_timeout``/``GEAR_CONNECT_TIMEOUT``; None: forever)."""
     if value is None:
-        text = os.environ.get(RECONNECT_TIMEOUT_ENV)
-        if not text:
-            return DEFAULT_RECONNECT_TIMEOUT_S
-        source = RECONNECT_TIMEOUT_ENV
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"{RECONNECT_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+        value = getattr(client, "_connect_timeout", DEFAULT_RECONNECT_TIMEOUT_S)
+        if value is None:
+            return math.inf
     if not value > 0:
-        raise ValueError(f"{source} must be a positive number of seconds, got {value}")
+        raise ValueError(f"reconnect_timeout_s must be a positive number of seconds, got {value}")
     return float(value)
 
 

@@ -128,6 +128,17 @@ def encode_insert_item(key: int, table: bytes, priority: float, structure: bytes
     return b"\x12" + encode_varint(len(item)) + item
 
 
+_RESEND = b"\xf0\x0b\x01"  # PrioritizedItem.resend = 190 (varint key 190 << 3), true
+
+
+def mark_resend(item: bytes) -> bytes:
+    """An ``encode_insert_item`` field with ``PrioritizedItem.resend`` set (the item is sent again)."""
+    length, start = read_varint(memoryview(item), 1)
+    if item[:1] != b"\x12" or start + length != len(item):
+        raise ValueError("not an encoded InsertStreamRequest.items field")
+    return b"\x12" + encode_varint(length + len(_RESEND)) + item[start:] + _RESEND
+
+
 def encode_release_keys(keys: Sequence[int]) -> bytes:
     """``InsertStreamRequest.release_chunk_keys`` (field 3); empty for no keys.
 

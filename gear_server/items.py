@@ -182,6 +182,7 @@ class PreparedItem:
     specs: list[tuple[np.dtype, tuple[int, ...], bool]]  # per column (dtype, step shape, squeeze)
     episode_ids: tuple[int, ...]
     structure: pb.Structure
+    resend: bool = False  # a writer's resend after a reconnect: an existing key stays as it is
 
 
 @dataclass
@@ -199,6 +200,7 @@ class ItemToInsert:
     columns: list[np.ndarray]
     squeeze: list[bool]
     episode_ids: frozenset[int] = frozenset()
+    resend: bool = False  # a writer's resend after a reconnect (PrioritizedItem.resend)
     _prepared: PreparedItem | None = field(default=None, init=False, repr=False, compare=False)
 
     def validated(self) -> PreparedItem:
@@ -265,7 +267,7 @@ def prepare_item(item: ItemToInsert) -> PreparedItem:
         pieces.append(parts if len(parts) == 1 else [p for p in parts if p.shape[0]])
         lengths.append(int(t))
     episodes = tuple(sorted({int(e) for e in item.episode_ids})) if item.episode_ids else ()
-    return PreparedItem(key, priority, pieces, lengths, specs, episodes, item.structure)
+    return PreparedItem(key, priority, pieces, lengths, specs, episodes, item.structure, item.resend)
 
 
 # --------------------------------------------------------------------------- against a table

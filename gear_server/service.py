@@ -95,7 +95,7 @@ def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> ItemTo
             columns.append(parts[0] if len(parts) == 1 else parts)
         squeeze.append(bool(column.squeeze))
     built = ItemToInsert(key=int(item.key), priority=float(item.priority), structure=item.structure,
-                         columns=columns, squeeze=squeeze, episode_ids=frozenset(episodes))
+                         columns=columns, squeeze=squeeze, episode_ids=frozenset(episodes), resend=item.resend)
     try:
         built.validated()
     except ValueError as e:

@@ -252,7 +252,7 @@ class Table:
             self._check_open()
             placement = self._placement(prep)
             if prep.key in self._slots.key_to_slot:
-                self._update_existing(prep.key, prep.priority)
+                self._existing_key(prep)
                 return
             epoch = self._columns.epoch
             self._rate_limiter.await_insert(deadline, abandoned)
@@ -263,7 +263,7 @@ class Table:
                         epoch = self._columns.epoch
                         placement = self._placement(prep)
                     if prep.key in self._slots.key_to_slot:
-                        self._update_existing(prep.key, prep.priority)
+                        self._existing_key(prep)
                         self._rate_limiter.insert_abandoned()
                         return
                     if self._exclusive:
@@ -319,7 +319,7 @@ class Table:
             raise TableClosedError(f"table '{self.name}' closed during the insert")
         if prep.key in self._slots.key_to_slot:  # another insert of this key won the race
             self._slots.give_back(slot)
-            self._update_existing(prep.key, prep.priority)
+            self._existing_key(prep)
             self._rate_limiter.insert_abandoned()
             return
         self._seq += 1
@@ -337,6 +337,11 @@ class Table:
             self._delete_slot(victim)
         self._rate_limiter.insert_committed()
         self._worker_time_s += time.perf_counter() - t0
+
+    def _existing_key(self, prep: PreparedItem) -> None:
+        """An insert of a key the table holds: a priority update (Reverb), nothing for a writer's resend."""
+        if not prep.resend:
+            self._update_existing(prep.key, prep.priority)
 
     def _update_existing(self, key: int, priority: float) -> None:
         slot = self._slots.key_to_slot[key]

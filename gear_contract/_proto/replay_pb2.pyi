@@ -240,18 +240,20 @@ class ItemColumn(_message.Message):
     def __init__(self, slices: _Optional[_Iterable[_Union[ColumnSlice, _Mapping]]] = ..., squeeze: _Optional[bool] = ...) -> None: ...
 
 class PrioritizedItem(_message.Message):
-    __slots__ = ("key", "table", "priority", "structure", "columns")
+    __slots__ = ("key", "table", "priority", "structure", "columns", "resend")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STRUCTURE_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
     key: int
     table: str
     priority: float
     structure: Structure
     columns: _containers.RepeatedCompositeFieldContainer[ItemColumn]
-    def __init__(self, key: _Optional[int] = ..., table: _Optional[str] = ..., priority: _Optional[float] = ..., structure: _Optional[_Union[Structure, _Mapping]] = ..., columns: _Optional[_Iterable[_Union[ItemColumn, _Mapping]]] = ...) -> None: ...
+    resend: bool
+    def __init__(self, key: _Optional[int] = ..., table: _Optional[str] = ..., priority: _Optional[float] = ..., structure: _Optional[_Union[Structure, _Mapping]] = ..., columns: _Optional[_Iterable[_Union[ItemColumn, _Mapping]]] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class InsertStreamRequest(_message.Message):
     __slots__ = ("chunks", "items", "release_chunk_keys")

@@ -14,6 +14,7 @@ from gear_contract.wire import (
     encode_sample_response,
     encode_varint,
     length_prefix,
+    mark_resend,
     read_varint,
     skip_field,
 )
@@ -77,6 +78,15 @@ def test_insert_request_pieces_parse_as_protobuf():
         release_chunk_keys=[1, 300, 2**40])
     assert pb.InsertStreamRequest.FromString(raw) == expected
     assert encode_release_keys([]) == b""
+    # a resent item: the same, with PrioritizedItem.resend set
+    item = encode_insert_item(7, b"t", 1.0, b"", [([(1, 0, 1)], True)])
+    resent = pb.InsertStreamRequest.FromString(mark_resend(item)).items[0]
+    assert resent.resend and resent.key == 7 and resent.columns[0].squeeze
+    assert resent == pb.PrioritizedItem(key=7, table="t", priority=1.0, structure=pb.Structure(), resend=True,
+                                        columns=[pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=1, length=1)],
+                                                               squeeze=True)])
+    with pytest.raises(ValueError):
+        mark_resend(encode_release_keys([1]))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 600])

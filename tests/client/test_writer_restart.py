@@ -195,3 +195,33 @@ def test_fifty_writers_across_a_restart_lose_and_duplicate_nothing(tmp_path):
     finally:
         go_on.set()
         daemon.close()
+
+
+def test_a_resent_item_leaves_an_existing_key_as_it_is():
+    """The resend of an item the daemon inserted (its acknowledgement lost) changes nothing, not even a priority."""
+    from gear_contract._proto import replay_pb2 as pb
+
+    table = reverb.Table("p", sampler=reverb.selectors.Prioritized(1.0), remover=reverb.selectors.Fifo(),
+                         max_size=10, rate_limiter=reverb.rate_limiters.MinSize(1))
+    with reverb.Server([table]) as server:
+        client = reverb.Client(f"localhost:{server.port}")
+
+        def insert(priority: float, resend: bool) -> None:
+            data = np.array([7], np.int64)
+            request = pb.InsertStreamRequest(
+                chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(dtype="<i8", shape=[1], data=data.tobytes()))],
+                items=[pb.PrioritizedItem(key=42, table="p", priority=priority, structure=pb.Structure(),
+                                          columns=[pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=1, length=1)])],
+                                          resend=resend)])
+            assert [list(r.keys) for r in client._stub.InsertStream(iter([request]), timeout=10)] == [[42]]
+
+        def priority() -> float:
+            [sample] = list(client.sample("p", 1, emit_timesteps=False))
+            return sample.info.priority
+
+        insert(1.0, resend=False)
+        client.mutate_priorities("p", updates={42: 5.0})
+        insert(1.0, resend=True)  # acknowledged, and nothing changed
+        assert priority() == 5.0 and _size(client, "p") == 1
+        insert(2.0, resend=False)  # a plain insert of an existing key updates its priority (Reverb)
+        assert priority() == 2.0 and _size(client, "p") == 1
