@@ -21,6 +21,7 @@ Any other status is the writer's next call's error, as in Reverb.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -37,13 +38,15 @@ from gear_contract.wire import encode_release_keys, mark_resend
 
 __all__ = ["InsertStream", "close_stream"]
 
+log = logging.getLogger(__name__)
+
 # Requests group chunks up to this size (gRPC's default limit is 4 MiB; the daemon takes more).
 MAX_REQUEST_BYTES = 3 << 20
 # Under load, items are batched into requests of about this size.
 BATCH_BYTES = 2 << 20
 _CLOSE_TIMEOUT_S = 2.0
-# Waiting for a daemon that went away: readiness polls, and back-off between failed calls.
-_READY_POLL_S = 0.5
+# Waiting for a daemon that went away: back-off between failed calls; waiters look at the clock this often.
+_POLL_S = 0.5
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
 _INSERT_STREAM_METHOD = "/gear.v1.ReplayService/InsertStream"
@@ -56,11 +59,11 @@ class _Pending(NamedTuple):
     seq: int
     item: bytes
     nbytes: int
-    sent_at: float  # time.monotonic() when it was handed to gRPC
+    created_at: float  # time.monotonic() when the writer handed it over
 
 
-def _open_insert_stream(client: Any) -> tuple[Any, bool, grpc.Channel | None]:
-    """The InsertStream multicallable, whether it takes encoded bytes, and the channel (if any).
+def _open_insert_stream(client: Any) -> tuple[Any, bool]:
+    """The InsertStream multicallable, and whether it takes encoded bytes.
 
     With the client's channel the writer sends its hand-encoded bytes as they
     are; through the stub (no channel) they are parsed into a message first.
@@ -68,8 +71,8 @@ def _open_insert_stream(client: Any) -> tuple[Any, bool, grpc.Channel | None]:
     channel = getattr(client, "_channel", None)
     if isinstance(channel, grpc.Channel):
         return channel.stream_stream(_INSERT_STREAM_METHOD, request_serializer=None,
-                                     response_deserializer=pb.InsertStreamResponse.FromString), True, channel
-    return client._stub.InsertStream, False, None
+                                     response_deserializer=pb.InsertStreamResponse.FromString), True
+    return client._stub.InsertStream, False
 
 
 class InsertStream:
@@ -82,7 +85,8 @@ class InsertStream:
     def __init__(self, client: Any, reconnect_timeout_s: float):
         self._cond = threading.Condition()
         self._reconnect_timeout_s = float(reconnect_timeout_s)
-        self._open_call, self._raw, self._channel = _open_insert_stream(client)
+        self._open_call, self._raw = _open_insert_stream(client)
+        self.address = str(getattr(client, "server_address", "the daemon"))  # for messages
         self.pending: dict[int, _Pending] = {}  # item key -> what a new call would resend, in send order
         self.in_flight_bytes = 0
         self._seq = 0  # items submitted so far
@@ -91,7 +95,7 @@ class InsertStream:
         self.batch: list | None = None  # pieces of the next message (bytes, or views of column buffers)
         self.batch_bytes = 0
         self._batch_chunks: list[tuple[int, int, int]] = []  # (chunk key, offset in the batch, length)
-        self._batch_items: list[tuple[int, bytes, int]] = []  # (key, encoded item, chunk bytes)
+        self._batch_items: list[tuple[int, bytes, int, float]] = []  # (key, encoded item, chunk bytes, created at)
         self._batch_releases: list[int] = []
         self._queue: queue.SimpleQueue | None = None  # the current call's requests
         self._call: Any = None
@@ -107,22 +111,10 @@ class InsertStream:
         # Every message is a fresh multi-MiB bytes object (the batch joined): keep freed ones in the heap
         # so the next is not faulted in (and zeroed) page by page. Measured +3-4 % writer throughput.
         tune_allocator()
-        if self._channel is not None:
-            self._channel.subscribe(self._on_connectivity, try_to_connect=False)
         with self._cond:
             first = self._open_locked()
         self._thread = threading.Thread(target=self._run, args=(first,), name="gear-insert-stream", daemon=True)
         self._thread.start()
-
-    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
-        """The daemon is away from the channel's first failure to connect until it is ready again."""
-        with self._cond:
-            if state == grpc.ChannelConnectivity.READY:
-                self._outage_since = None
-            elif state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
-                if self._outage_since is None:
-                    self._outage_since = time.monotonic()
-                self._cond.notify_all()
 
     # ------------------------------------------------------------ the seam --
     def send_item(self, chunks: list[NewChunk], key: int, item: bytes, releases: Sequence[int] = ()) -> None:
@@ -153,7 +145,7 @@ class InsertStream:
             self._reserve(remaining + len(item) + len(tail))
             self._add_chunks(chunks[start:])
             self.batch.append(item)
-            self._batch_items.append((key, item, nbytes))
+            self._batch_items.append((key, item, nbytes, time.monotonic()))
             if releases:
                 self.batch.append(tail)
                 self._batch_releases.extend(releases)
@@ -211,9 +203,8 @@ class InsertStream:
         whole = memoryview(message)
         for key, offset, length in self._batch_chunks:
             self._chunks[key] = whole[offset:offset + length]
-        now = time.monotonic()
-        for key, item, nbytes in self._batch_items:
-            self.pending[key] = _Pending(self._seq, item, nbytes, now)
+        for key, item, nbytes, created_at in self._batch_items:
+            self.pending[key] = _Pending(self._seq, item, nbytes, created_at)
             self._seq += 1
         for key in self._batch_releases:
             self._released.append((self._seq, key))
@@ -264,6 +255,8 @@ class InsertStream:
                     if error is None or code in _TRANSIENT:
                         if self._outage_since is None:
                             self._outage_since = time.monotonic()
+                            log.warning("insert stream to %s lost (%s); %d items unacknowledged: reconnecting, "
+                                        "then resending them", self.address, _describe(error), len(self.pending))
                     else:
                         self._fail_call_locked(error)
                         while not self._wanted and not self._closing:
@@ -276,9 +269,10 @@ class InsertStream:
                     if self._closing:
                         return
                     call, requests = self._open_locked()
+                    resent = len(self.pending)
+                if resent:
+                    log.info("insert stream to %s reopened: %d items resent", self.address, resent)
         finally:
-            if self._channel is not None:
-                self._channel.unsubscribe(self._on_connectivity)
             with self._cond:
                 self.done = True
                 self._in_call = False
@@ -306,7 +300,9 @@ class InsertStream:
             size += len(piece)
         if message:
             self._queue.put(self._request(message))
-        call = self._open_call(self._requests(requests), wait_for_ready=True)
+        # Fail-fast: a call to a daemon that is away fails at once, before it sends anything, and the
+        # thread tries again; so nothing queued here goes out after its items were given up.
+        call = self._open_call(self._requests(requests), wait_for_ready=False)
         self._call = call
         self._in_call = True
         return call, requests
@@ -343,49 +339,38 @@ class InsertStream:
         self.error = error
         self.lost += len(self.pending)
         self.pending.clear()
-        self.in_flight_bytes = sum(nbytes for _, _, nbytes in self._batch_items)
+        self.in_flight_bytes = sum(item[2] for item in self._batch_items)
         self._drop_released_locked()
         self._cond.notify_all()
 
     def _await_daemon(self, backoff: float) -> bool:
-        """Wait (with back-off) until the channel is ready again; False when the stream is closing."""
+        """Wait ``backoff`` before the next call (giving up items that are due); False when closing."""
         deadline = time.monotonic() + backoff
-        while True:
-            with self._cond:
+        with self._cond:
+            while True:
                 self._expire_locked()
                 if self._closing:
                     return False
                 remaining = deadline - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait(remaining)
-                    continue
-            if self._channel is None:
-                return True
-            ready = grpc.channel_ready_future(self._channel)
-            try:
-                ready.result(timeout=_READY_POLL_S)
-                return True
-            except grpc.FutureTimeoutError:
-                ready.cancel()
-            except ValueError:  # the client's channel was closed: the next call fails and says so
-                return True
+                if remaining <= 0:
+                    return True
+                self._cond.wait(remaining)
 
     def _expire_locked(self) -> None:
         """Give up the items unacknowledged for the reconnect timeout while the daemon has been away as long.
 
-        A call waiting for the daemon is cancelled: what it holds queued is
-        resent (without the given-up items) by the next call.
+        Only between calls: an open call may still deliver them.
         """
-        if self._outage_since is None:
+        if self._outage_since is None or self._in_call:
             return
         limit = time.monotonic() - self._reconnect_timeout_s
         if self._outage_since > limit:
             return
-        self._submit()  # items in the batch count from now (their chunks are kept for later items)
+        self._submit()  # items in the batch may be due too (their chunks are kept for later items)
         expired = []
         for key, entry in self.pending.items():
-            if entry.sent_at > limit:
-                break  # sent in order: the rest are younger
+            if entry.created_at > limit:
+                break  # created in order: the rest are younger
             expired.append(key)
         if not expired:
             return
@@ -394,8 +379,6 @@ class InsertStream:
         self.failed_keys.extend(expired)
         self._drop_released_locked()
         self._cond.notify_all()
-        if self._in_call:
-            self._cancel()
 
     # ------------------------------------------------------------ writers --
     @property
@@ -427,7 +410,7 @@ class InsertStream:
                 self._expire_locked()
                 if self.failed_keys:
                     return True
-                timeout = _READY_POLL_S
+                timeout = _POLL_S
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -470,6 +453,12 @@ class InsertStream:
         call = self._call
         if call is not None:
             call.cancel()
+
+
+def _describe(error: BaseException | None) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return "the daemon ended the stream" if error is None else str(error)
 
 
 def close_stream(stream: InsertStream | None) -> None:

@@ -355,7 +355,7 @@ class TrajectoryWriter:
             shown = ", ".join(str(k) for k in failed[:8]) + (", ..." if len(failed) > 8 else "")
             raise ItemsNotInsertedError(
                 f"{operation}: {len(failed)} items were not inserted: the daemon at "
-                f"{_address_of(self._client)} was unreachable for {self._reconnect_timeout_s:g} s "
+                f"{stream.address} was unreachable for {self._reconnect_timeout_s:g} s "
                 f"(reconnect_timeout_s, by default the client's connect_timeout); keys: {shown}", failed)
         if error is None:
             return
@@ -394,8 +394,3 @@ def _reconnect_timeout(value: float | None, client: Any) -> float:
     if not value > 0:
         raise ValueError(f"reconnect_timeout_s must be a positive number of seconds, got {value}")
     return float(value)
-
-
-def _address_of(client: Any) -> str:
-    address = getattr(client, "server_address", None)
-    return str(address) if isinstance(address, str) else "the client's address"
