@@ -17,6 +17,7 @@ left out until it answers again (``membership``).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -32,7 +33,16 @@ from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
 from gear_client.sharding.assembly import assemble, rows
 from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
-from gear_client.sharding.selection import Policy, ShardWeight, globalise, split, sum_table_infos
+from gear_client.sharding.selection import (
+    PRIORITIZED,
+    UNIFORM,
+    Policy,
+    ShardWeight,
+    globalise,
+    split,
+    sum_table_infos,
+)
+from gear_client.sharding.streams import ShardStream, StreamError, closed_error
 from gear_contract._proto import replay_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -40,6 +50,7 @@ log = logging.getLogger(__name__)
 EMPTY_POLL_S = (0.005, 0.2)  # first and longest wait between looks at a table with no item on any shard
 READ_AHEAD_ITEMS = 128  # batches(): items selected together (one split, one part per shard)
 READ_AHEAD_GROUPS = 2  # batches(): groups fetched at once
+STREAM_WEIGHTS_REFRESH_S = 1.0  # batches() over streams: how often every shard's size and mass are asked
 
 
 @dataclass
@@ -75,6 +86,8 @@ class ShardedSampler:
         self._weights: tuple[float, Policy, dict[int, ShardWeight]] | None = None  # (when, policy, weights)
         self.closed = False
         self.resplits = 0  # parts taken again from other shards because their shard failed
+        self._streams: set[ShardStream] = set()  # batches(): the shards' read-ahead streams
+        self._ended_kinds: dict[int, str] = {}  # shard -> the plane its last stream used
         self._fetcher = futures.ThreadPoolExecutor(max_workers=READ_AHEAD_GROUPS, thread_name_prefix="gear-shard-batch")
         shards.on_rejoin(self._forget_sampler)
 
@@ -106,7 +119,10 @@ class ShardedSampler:
         """Shard address -> the plane its part comes over."""
         with self._lock:
             samplers = dict(self._samplers)
-        return {self.shards.shards[i].address: s.kind for i, s in samplers.items() if s.kind is not None}
+            samplers.update({st.shard.index: st.sampler for st in self._streams})  # batches() reads through these
+            kinds = dict(self._ended_kinds)
+        kinds.update({i: s.kind for i, s in samplers.items() if s.kind is not None})
+        return {self.shards.shards[i].address: kind for i, kind in kinds.items()}
 
     def open(self) -> str | None:
         """Negotiate with every live shard now (sample() does it on first use)."""
@@ -290,16 +306,19 @@ class ShardedSampler:
                 group_items: int = READ_AHEAD_ITEMS, depth: int = READ_AHEAD_GROUPS):
         """Batches without end, read ahead: for tables whose sampling takes nothing (the datasets decide).
 
-        Several batches (up to ``group_items`` items) are selected as one group: one
-        split and one part per shard, so the round trips are paid once per group,
-        then shuffled and cut into batches. Picks made together are independent
-        draws just as picks made one batch at a time are, so every batch is a
-        batch the table could have given (with the masses of the group's moment,
-        as a daemon's own read-ahead has). ``depth`` groups are fetched at once in
-        the background while the learner takes the batches of the current one.
+        Uniform and prioritized tables stream every shard's picks in the background
+        (``streams``): batches are cut from the streams by the split, with no round
+        trip on the learner's path. Other samplers select several batches (up to
+        ``group_items`` items) as one group: one split and one part per shard,
+        shuffled and cut into batches (picks made together are independent draws
+        just as picks made one batch at a time are), ``depth`` groups fetched at once.
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        policy, _ = self._recent_weights()
+        if policy.kind in (UNIFORM, PRIORITIZED):
+            yield from self._streamed(num_samples, window, timeout)
+            return
         per_group = max(1, int(group_items) // num_samples)
         pending: deque[futures.Future] = deque()
         try:
@@ -314,6 +333,115 @@ class ShardedSampler:
             for future in pending:
                 future.cancel()
 
+    def _streamed(self, num_samples: int, window: WindowSpec, timeout: float | None):
+        """Batches cut from the shards' streams (see ``streams``)."""
+        streams: dict[int, ShardStream] = {}
+        chunk = max(8, -(-num_samples // max(1, len(self.shards.shards))))
+        asked = -math.inf
+        try:
+            while True:
+                if self.closed:
+                    raise SamplerClosedError("this sampler is closed")
+                live = {s.index: s for s in self.shards.live()}
+                for index in [i for i in streams if i not in live]:
+                    self._end_stream(streams, index)
+                now = time.monotonic()
+                if set(live) - set(streams) or now - asked >= STREAM_WEIGHTS_REFRESH_S:
+                    policy, weights = self.weights()  # a shard (re)joined, or time to hear from the idle ones
+                    for index, weight in weights.items():
+                        if index not in streams:
+                            streams[index] = self._start_stream(live[index], policy, chunk, window, weight)
+                        else:
+                            streams[index].reported(weight, asked)
+                    asked = now
+                policy = self._policy
+                current = {i: st.weight for i, st in streams.items() if st.weight is not None}
+                with self._lock:
+                    counts = split(policy, list(current.values()), num_samples, self._rng)
+                    rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
+                if not counts:  # no item anywhere yet: the streams wait for the first ones
+                    counts = {i: 0 for i in streams}
+                parts = self._take(streams, policy, counts, num_samples, rng, timeout)
+                if not parts:
+                    continue
+                for index, part in parts.items():
+                    self.shards.learn_owners(part.keys.tolist(), self.shards.shards[index])
+                latest = {i: st.weight for i, st in streams.items() if st.weight is not None}
+                size, probabilities = globalise(policy, latest, {
+                    i: (p.priorities, p.probabilities, p.table_sizes) for i, p in parts.items()})
+                for part, probs in zip(parts.values(), probabilities, strict=True):
+                    part.probabilities = probs
+                    part.table_sizes = np.full(len(part), size, np.int64)
+                yield assemble(list(parts.values()), rng, self.device)
+        finally:
+            for index in list(streams):
+                self._end_stream(streams, index)
+
+    def _take(self, streams: dict[int, ShardStream], policy: Policy, counts: dict[int, int], total: int,
+              rng: np.random.Generator, timeout: float | None) -> dict[int, SampledBatch]:
+        """Each shard's count from its stream; a failed shard's count is split again over the others."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = {i: n for i, n in counts.items() if n > 0}
+        if not pending:  # no item on any shard yet
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.DeadlineExceededError(f"sample: table '{self.table}' has no item on any live shard")
+            time.sleep(EMPTY_POLL_S[1])
+            return {}
+        pieces: dict[int, list[SampledBatch]] = {}
+        while pending:
+            for index, n in list(pending.items()):
+                stream = streams.get(index)
+                try:
+                    if stream is None:
+                        raise StreamError("the shard left")
+                    got, missing = stream.take(n, self.shards.timeout_s)
+                except StreamError as exc:
+                    cause = exc.__cause__ or exc
+                    if self.closed:
+                        raise SamplerClosedError("the sampler was closed while sampling") from cause
+                    if not (closed_error(exc) or is_unreachable(cause) or stream is None):
+                        raise cause from exc
+                    self._shard_failed(self.shards.shards[index], cause)
+                    self._end_stream(streams, index)
+                    pending.pop(index)
+                    self.resplits += 1
+                    again = split(policy, [st.weight for st in streams.values() if st.weight is not None], n, rng)
+                    if not again:
+                        raise errors.ServiceError(f"sample: no live shard of table '{self.table}' left "
+                                                  f"({self._down_summary()})") from cause
+                    for other, k in again.items():
+                        pending[other] = pending.get(other, 0) + k
+                    continue
+                pieces.setdefault(index, []).extend(got)
+                if missing:
+                    pending[index] = missing
+                    self._check_outstanding({index})  # nothing for a while: is the shard still there?
+                    if not self.shards.shards[index].up:
+                        self._end_stream(streams, index)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise errors.DeadlineExceededError(f"sample: no batch of table '{self.table}' within "
+                                                           f"{timeout}s")
+                else:
+                    pending.pop(index)
+        return {i: (ps[0] if len(ps) == 1 else assemble(ps, rng, self.device)) for i, ps in pieces.items()}
+
+    def _start_stream(self, shard: Shard, policy: Policy, chunk: int, window: WindowSpec,
+                      weight: ShardWeight) -> ShardStream:
+        sampler = PlaneSampler(shard.client, self.table, planes=self.planes, device=self.device, **self._plane_options)
+        stream = ShardStream(shard, sampler, policy, chunk, window, weight)
+        with self._lock:
+            self._streams.add(stream)
+        return stream
+
+    def _end_stream(self, streams: dict[int, ShardStream], index: int) -> None:
+        stream = streams.pop(index, None)
+        if stream is not None:
+            with self._lock:
+                self._streams.discard(stream)
+                if stream.sampler.kind is not None:
+                    self._ended_kinds[index] = stream.sampler.kind
+            stream.close()
+
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Close every shard's session (a sample blocked in another thread ends with SamplerClosedError)."""
@@ -324,6 +452,10 @@ class ShardedSampler:
             samplers, self._samplers = list(self._samplers.values()), {}
         for sampler in samplers:
             sampler.close()
+        with self._lock:
+            streams, self._streams = list(self._streams), set()
+        for stream in streams:
+            stream.close()
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         if self._owns_shards:
             self.shards.close()

@@ -107,6 +107,27 @@ def test_prioritized_matches_one_table(cluster):
         client.close()
 
 
+def test_read_ahead_streams_match_one_table_too(cluster):
+    """batches() (what datasets read ahead through) cuts batches from every shard's stream of picks."""
+    client = _sharded(cluster, seed=SEED)
+    sampler = client.sampler("prio")
+    stream = sampler.batches(500)
+    try:
+        counts = np.zeros(sum(SIZES))
+        weights = priority_weights(np.array([_priority(i) for i in range(sum(SIZES))]), EXPONENT)
+        expected = weights / weights.sum()
+        for _ in range(24):
+            batch = next(stream)
+            assert len(batch) == 500
+            np.add.at(counts, _ids(batch), 1)
+            np.testing.assert_allclose(batch.probabilities, expected[_ids(batch)], rtol=1e-9)
+        assert chi_square_p(counts, expected * counts.sum()) >= P_MIN
+        assert len(sampler.kinds()) == NUM_SHARDS
+    finally:
+        stream.close()
+        client.close()
+
+
 def test_uniform_matches_one_table_and_keys_are_unique(cluster):
     client = _sharded(cluster, seed=SEED)
     try:
