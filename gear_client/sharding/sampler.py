@@ -8,6 +8,9 @@ RDMA or inline elsewhere; parts run in parallel, each with its plane's
 torn-read guarantees), rewrites the reported probabilities and sizes to the
 global ones and assembles one batch (``assembly``).
 
+``batches()`` (read ahead, for the datasets) cuts uniform and prioritized
+batches from every shard's stream of picks instead (``streams``).
+
 A shard that fails (a call answered UNAVAILABLE, or one that stops answering
 for ``timeout_s`` while its part is outstanding) is marked down: its part is
 split again over the others, so the batch still comes out whole, and it is
