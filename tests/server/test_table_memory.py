@@ -37,13 +37,21 @@ def allocated(path: str) -> int:
     return os.stat(path).st_blocks * 512
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_a_million_slot_table_commits_memory_as_it_fills(store):
+    rss_before = rss_bytes()
     table = make_table(store, max_size=1_000_000, sampler="fifo", remover="fifo")
     t0 = time.perf_counter()
     table.insert(frame(0))
     first_insert_s = time.perf_counter() - t0
     layout = table.layout()
     assert first_insert_s < 0.5, f"first insert took {first_insert_s:.2f} s"
+    assert rss_bytes() - rss_before < 32 << 20, "the table and its first insert took more than 32 MiB of RSS"
     assert allocated(layout.segment) <= 2 << 20, "the first insert committed more than 2 MiB"
     assert layout.segment_size <= 32 << 20, "learners would map (and MAP_POPULATE) more than 32 MiB"
     n = 6_000  # 90 MB of items: several capacity growths and reservation steps
