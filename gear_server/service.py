@@ -22,7 +22,6 @@ table slots into the message, so a sampled byte is copied once in Python.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -240,15 +239,13 @@ class ReplayService:
     async def MutatePriorities(self, request: pb.MutatePrioritiesRequest,  # noqa: N802
                                context: aio.ServicerContext) -> pb.MutatePrioritiesResponse:
         table = await find_table(self.tables, request.table, context)
-        updates = {}
-        for u in request.updates:
-            if math.isnan(u.priority) or u.priority < 0:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"priority of key {u.key} must be a non-negative number, got {u.priority}")
-            updates[int(u.key)] = float(u.priority)
-        deletes = list(request.delete_keys)
+        updates = request.updates
+        # One pass over the repeated field; the table checks every priority before it changes anything.
+        keys = [u.key for u in updates]
+        priorities = np.fromiter((u.priority for u in updates), np.float64, len(keys))
         try:
-            await self.calls.run(table.mutate_priorities, updates, deletes)
+            await self.calls.run(table.mutate_priorities, zip(keys, priorities.tolist(), strict=True),
+                                 request.delete_keys)
         except Exception as e:  # noqa: BLE001
             await abort_for(context, e)
         return pb.MutatePrioritiesResponse()

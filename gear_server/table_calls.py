@@ -19,7 +19,6 @@ already running finishes on its thread and whatever it leased is released.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -107,23 +106,10 @@ class TableCalls:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # ------------------------------------------------------------------ waits
-    def _ticket(self) -> tuple[WaitTicket, asyncio.Event]:
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
-
-        def wake() -> None:  # any thread, maybe under a table lock: only schedule
-            loop.call_soon_threadsafe(event.set)
-
-        return WaitTicket(wake), event
-
     async def _attempt(self, ticket: WaitTicket, on_orphan: Callable[[Any], None] | None,
                        fn: Callable[..., T], *args: Any) -> T:
         """One non-blocking attempt on the pool; a result that arrives after the caller left goes to ``on_orphan``."""
-        def attempt() -> T:
-            with ticket.attempting():
-                return fn(*args)
-
-        future = asyncio.get_running_loop().run_in_executor(self.executor, attempt)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -135,21 +121,6 @@ class TableCalls:
             future.add_done_callback(after)
             raise
 
-    @staticmethod
-    async def _wait(event: asyncio.Event, deadline: float | None) -> bool:
-        """Wait for a wake; False when the deadline passed first."""
-        if deadline is None:
-            await event.wait()
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        try:
-            await asyncio.wait_for(event.wait(), remaining)
-        except TimeoutError:
-            return False
-        return True
-
     async def insert(self, table: SamplingTable, item: Any, timeout: float | None) -> None:
         """``table.insert(item)`` waiting for the rate limiter without holding a thread."""
         await self.insert_many([(table, item)], timeout)
@@ -160,23 +131,24 @@ class TableCalls:
 
         ``on_inserted(table, item)`` runs on the loop after each insert (acknowledgements, metrics).
         """
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        ticket, event = self._ticket()
+        waiter = _Waiter(timeout)
+        ticket = waiter.ticket
 
         def insert_from(start: int) -> tuple[int, BaseException | None]:
             """Insert items[start:] until one fails or would block: (the index reached, that error)."""
-            for i in range(start, len(items)):
-                table, item = items[i]
-                try:
-                    table.insert(item, timeout=0)
-                except BaseException as error:  # noqa: BLE001 (handed back with the progress made)
-                    return i, error
+            with ticket.attempting():
+                for i in range(start, len(items)):
+                    table, item = items[i]
+                    try:
+                        table.insert(item, timeout=0)
+                    except BaseException as error:  # noqa: BLE001 (handed back with the progress made)
+                        return i, error
             return len(items), None
 
         position = 0
         try:
             while position < len(items):
-                event.clear()
+                waiter.arm()
                 reached, error = await self._attempt(ticket, None, insert_from, position)
                 if on_inserted is not None:
                     for i in range(position, reached):
@@ -188,8 +160,7 @@ class TableCalls:
                     break
                 if not isinstance(error, WouldBlock):
                     raise error
-                if not await self._wait(event, deadline):
-                    ticket.final = True
+                await waiter.wait()
         except BaseException:
             ticket.abandon()
             raise
@@ -201,20 +172,35 @@ class TableCalls:
         RateLimiterTimeout when not one item was allowed before the timeout. ``by_reference``: for
         readers of the segment (Table.sample's argument).
         """
-        pick = functools.partial(table.sample, by_reference=True) if by_reference else table.sample
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        ticket, event = self._ticket()
+        return (await self.sample_batches(table, n, timeout, 1, by_reference=by_reference))[0]
+
+    async def sample_batches(self, table: SamplingTable, n: int, timeout: float | None, batches: int, *,
+                             by_reference: bool = False) -> list[JoinedSelection]:
+        """The first batch as ``sample``; then up to ``batches - 1`` more of ``n`` items each, taken
+        in the same pool job as the first batch's end, only while the limiter allows them at once."""
+        waiter = _Waiter(timeout)
+        ticket = waiter.ticket
         parts: list[Selection] = []
+        extra: list[Selection] = []
         taken = 0
 
-        def release_orphan(selection: Selection) -> None:
-            self.executor.submit(table.release, selection.lease_id)
+        def attempt(want: int) -> tuple[Selection, list[Selection]]:
+            with ticket.attempting():
+                selection = table.sample(want, timeout=0, by_reference=by_reference)
+            more = []
+            if len(selection) == want and not ticket.blocked_now:
+                more = _more_batches(table, n, batches - 1, by_reference)
+            return selection, more
+
+        def release_orphan(picked: tuple[Selection, list[Selection]]) -> None:
+            for selection in (picked[0], *picked[1]):
+                self.executor.submit(table.release, selection.lease_id)
 
         try:
             while taken < n:
-                event.clear()
+                waiter.arm()
                 try:
-                    selection = await self._attempt(ticket, release_orphan, pick, n - taken, 0)
+                    selection, extra = await self._attempt(ticket, release_orphan, attempt, n - taken)
                 except WouldBlock:
                     selection = None
                 except RateLimiterTimeout:  # the last attempt, at the deadline, got nothing more
@@ -228,13 +214,67 @@ class TableCalls:
                         ticket.settle()
                 if taken >= n or ticket.final:
                     break
-                if not await self._wait(event, deadline):
-                    ticket.final = True
+                await waiter.wait()
         except BaseException:
             ticket.abandon()
             for selection in parts:
-                release_orphan(selection)
+                self.executor.submit(table.release, selection.lease_id)
             raise
         ticket.abandon()  # a partial pick may have left it registered
-        return JoinedSelection(parts)
+        return [JoinedSelection(parts), *(JoinedSelection([e]) for e in extra)]
 
+
+def _more_batches(table: SamplingTable, n: int, count: int, by_reference: bool) -> list[Selection]:
+    """Up to ``count`` batches of ``n`` items the limiter allows now (no waiting; on the pool)."""
+    more: list[Selection] = []
+    while len(more) < count and table.can_sample(n):
+        try:
+            more.append(table.sample(n, timeout=0, by_reference=by_reference))
+        except RateLimiterTimeout:  # another caller took them first
+            break
+    return more
+
+
+class _Waiter:
+    """One call's ticket and the wake it waits for; the asyncio event is made only when it must wait."""
+
+    __slots__ = ("ticket", "deadline", "_loop", "_event", "_woken")
+
+    def __init__(self, timeout: float | None):
+        self.deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        self._loop = asyncio.get_running_loop()
+        self._event: asyncio.Event | None = None
+        self._woken = False
+        self.ticket = WaitTicket(self._wake)
+
+    def _wake(self) -> None:  # any thread, maybe under a table lock: only schedule
+        self._loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        self._woken = True
+        if self._event is not None:
+            self._event.set()
+
+    def arm(self) -> None:
+        """Before an attempt: forget earlier wakes (the attempt sees the state they announced)."""
+        self._woken = False
+        if self._event is not None:
+            self._event.clear()
+
+    async def wait(self) -> None:
+        """Until woken; at the deadline, mark the next attempt final."""
+        if self._woken:
+            return
+        if self._event is None:
+            self._event = asyncio.Event()
+        if self.deadline is None:
+            await self._event.wait()
+            return
+        remaining = self.deadline - time.monotonic()
+        if remaining > 0:
+            try:
+                await asyncio.wait_for(self._event.wait(), remaining)
+                return
+            except TimeoutError:
+                pass
+        self.ticket.final = True

@@ -213,6 +213,9 @@ def _bad_requests():
     yield "size not matching shape", pb.InsertStreamRequest(
         chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(dtype="<f4", shape=[2, 3], data=b"\0" * 20))],
         items=[item(9, "uniform", [(1, 0, 2)])]), "bytes"
+    yield "chunk of more than 64 dimensions", pb.InsertStreamRequest(
+        chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(dtype="<f4", shape=[1] * 65, data=b"\0" * 4))],
+        items=[item(9, "uniform", [(1, 0, 1)])]), "rank 65"
     yield "chunk without a time dimension", pb.InsertStreamRequest(
         chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(dtype="<f4", shape=[], data=b"\0" * 4))]), "rank"
     yield "unknown chunk", pb.InsertStreamRequest(chunks=[good_chunk], items=[item(9, "uniform", [(2, 0, 2)])]), \
@@ -275,7 +278,9 @@ def test_bytes_that_are_no_request_are_invalid_argument(channel, stub):
 def test_bad_sample_and_mutate_arguments(stub):
     insert(stub, simple_insert(7, "uniform", np.zeros((1, 3), np.float32), priority=3.0))
     for request in (pb.SampleRequest(table="uniform", num_samples=0),
-                    pb.SampleRequest(table="uniform", num_samples=1, max_items_per_message=-1)):
+                    pb.SampleRequest(table="uniform", num_samples=1, max_items_per_message=-1),
+                    pb.SampleRequest(table="uniform", num_samples=1, max_items_per_message=2**31 - 1),
+                    pb.SampleRequest(table="uniform", num_samples=1, max_items_per_message=(1 << 20) + 1)):
         assert rpc_error(stub.Sample, request, timeout=PROMPT_S).code() == grpc.StatusCode.INVALID_ARGUMENT
     for priority in (float("nan"), -0.5):
         error = rpc_error(stub.MutatePriorities, pb.MutatePrioritiesRequest(

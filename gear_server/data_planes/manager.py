@@ -192,26 +192,30 @@ class DataPlaneManager:
         table = session.table
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         started = time.perf_counter()
+        task = asyncio.current_task()
+        entry = (asyncio.get_running_loop(), task)
+        with self._selects_lock:  # a close of the session cancels this call while it waits
+            self._selects.setdefault(session.session_id, set()).add(entry)
         try:
-            picked = [await self._pick(session, n, timeout)]
+            if session.closed:
+                raise asyncio.CancelledError
+            picked = await self.calls.sample_batches(table, n, timeout, batches, by_reference=True)
         except NeedsInlinePlane as exc:  # nothing was taken: the learner negotiates again and is answered inline
             self.sessions.close(session.session_id)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session closed: {exc}")
         except asyncio.CancelledError:
-            if session.closed and not _being_cancelled():
+            if session.closed and task.uncancel() == 0:  # the session's close, not the call's end
                 await context.abort(grpc.StatusCode.CANCELLED, "select cancelled (the session was closed)")
             raise
         except Exception as e:  # noqa: BLE001
             await abort_for(context, e)
-        while len(picked) < batches and table.can_sample(n):
-            try:
-                picked.append(await self._pick(session, n, 0.0))
-            except asyncio.CancelledError:
-                if session.closed and not _being_cancelled():
-                    break  # the answer below finds the session closed
-                raise
-            except Exception:  # noqa: BLE001 (another sampler was faster: answer the batches we have)
-                break
+        finally:
+            with self._selects_lock:
+                waiting = self._selects.get(session.session_id)
+                if waiting is not None:
+                    waiting.discard(entry)
+                    if not waiting:
+                        del self._selects[session.session_id]
         if self.metrics is not None:
             for selection in picked:
                 self.metrics.plane_selected(table, session.kind, selection, time.perf_counter() - started)
@@ -238,24 +242,6 @@ class DataPlaneManager:
                 self.sessions.release(session, lease_ids)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return response
-
-    async def _pick(self, session: Session, n: int, timeout: float | None) -> JoinedSelection:
-        """``n`` items of the session's table; cancelled (CancelledError) if the session closes while it waits."""
-        task = asyncio.ensure_future(self.calls.sample(session.table, n, timeout, by_reference=True))
-        entry = (asyncio.get_running_loop(), task)
-        with self._selects_lock:
-            self._selects.setdefault(session.session_id, set()).add(entry)
-        if session.closed:  # closed before it registered
-            task.cancel()
-        try:
-            return await task
-        finally:
-            with self._selects_lock:
-                waiting = self._selects.get(session.session_id)
-                if waiting is not None:
-                    waiting.discard(entry)
-                    if not waiting:
-                        del self._selects[session.session_id]
 
     def _send_layout(self, session: Session, table: Any, response: pb.SelectResponse,
                      context: aio.ServicerContext) -> None:
@@ -301,8 +287,3 @@ def build_packed_select_response(selection: JoinedSelection, lease_id: int) -> p
         times_sampled=_tensor(selection.times_sampled, "<i4"),
     )
 
-
-def _being_cancelled() -> bool:
-    """The running task itself is being cancelled (its RPC ended), not only a task it awaited."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
