@@ -10,7 +10,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 # Source-tree imports for machines without the venv (the GPU machine).
 GPU_ENV := PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1
 
-.PHONY: install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
+.PHONY: bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -94,6 +94,11 @@ $(REVERB_VENV)/.installed:
 
 bench-reverb: install $(REVERB_VENV)/.installed
 	$(VPY) bench/reverb/compare.py --reverb-python $(REVERB_VENV)/bin/python
+
+# The control plane: 1,000 open writer streams on one daemon, RSS per stream, mutate and Select
+# latency (Reverb's mutate side by side when .venv-reverb exists).
+bench-streams: install
+	$(VPY) bench/bench_streams.py
 
 # TensorFlow learners (gear_client.tf_datasets, tf_client) in their own venv with tensorflow-cpu (about
 # 1.6 GB, so not part of `make test`, whose runs skip the `tf` tests); the README's TensorFlow block too.
