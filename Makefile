@@ -8,9 +8,13 @@ NVCC ?= $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CU_SOURCES := $(wildcard gear_kernels/*.cu)
 CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 # Source-tree imports for machines without the venv (the GPU machine).
-GPU_ENV := PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1
+# GPU_SITE: a folder of pure-Python dependencies the GPU machine lacks (it reaches no
+# registry): `make gpu-wheels` here, carry .whl, and there
+# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` then GPU_SITE=/tmp/site.
+GPU_SITE ?= /tmp/site
+GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
+.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -55,6 +59,11 @@ test-frameworks: $(FRAMEWORKS_VENV)/.installed
 	$(FRAMEWORKS_VENV)/bin/python -m pytest -q -m "torch or jax" tests
 
 # On the GPU machine: system python3 with cupy, run from the source tree.
+# Wheels of the daemon's pure-Python dependencies that the GPU machine does not have.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+	  "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"
+
 test-gpu:
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
 
