@@ -84,7 +84,10 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def resolve(address: str) -> list[str]:
-    """Every address a name resolves to, sorted (so every client numbers the shards alike)."""
+    """Every address a name resolves to, sorted (so every client numbers the shards alike).
+
+    A name with one address stays as given (TLS checks the name); several become IP addresses.
+    """
     host, port = split_host_port(address)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -92,7 +95,9 @@ def resolve(address: str) -> list[str]:
         log.warning("shard address %s does not resolve (%s); kept as given", address, exc)
         return [address]
     ips = sorted({info[4][0] for info in infos}, key=lambda ip: (":" in ip, ip))
-    return [join_host_port(ip, port) for ip in ips] or [address]
+    if len(ips) <= 1:
+        return [address]
+    return [join_host_port(ip, port) for ip in ips]
 
 
 @dataclass
