@@ -12,6 +12,8 @@ Prints, against issue 10's goals:
 * the Select round trip of a learner's data-plane session (32 and 256 items,
   each Select ending the previous lease, as a pipelining learner does), and the
   cost per batch when one Select asks 4 batches (``num_batches``);
+* 10,000 calls without the token (health ``Watch`` streams and InsertStreams)
+  opened at once: how they end, and the latency of authenticated calls meanwhile;
 * with ``--reverb-python`` (default ``.venv-reverb/bin/python`` when it exists),
   DeepMind Reverb's ``mutate_priorities`` latency on the same table, side by
   side: the goal is gear's mutate and Select round trip <= Reverb's mutate.
@@ -48,6 +50,8 @@ from gear_contract.negotiation import local_host_id  # noqa: E402
 
 ITEMS_PER_ACTOR = 5
 TABLE_ITEMS = 2048
+TOKEN = "bench-streams-token"
+AUTH = [("authorization", f"Bearer {TOKEN}")]
 
 
 def free_port() -> int:
@@ -70,6 +74,9 @@ instance_name = "benchstreams{os.getpid()}"
 
 [limits]
 max_streams = {max(4096, 2 * actors)}
+
+[auth]
+token = "{TOKEN}"
 
 [[tables]]
 name = "writes"
@@ -94,7 +101,7 @@ rate_limiter = {{ min_size = 1 }}
         channel = grpc.insecure_channel(self.address)
         while True:
             try:
-                pb_grpc.ReplayServiceStub(channel).ServerInfo(pb.ServerInfoRequest(), timeout=2)
+                pb_grpc.ReplayServiceStub(channel).ServerInfo(pb.ServerInfoRequest(), timeout=2, metadata=AUTH)
                 break
             except grpc.RpcError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
@@ -126,7 +133,7 @@ def _actors(address: str, first: int, count: int, opened, proceed, done) -> None
 
     def actor(i: int) -> None:
         try:
-            client = reverb.Client(address)
+            client = reverb.Client(address, token=TOKEN)
             with client.trajectory_writer(num_keep_alive_refs=1) as writer:
                 for k in range(ITEMS_PER_ACTOR):
                     writer.append({"x": np.full(16, i * ITEMS_PER_ACTOR + k, np.float32)})
@@ -171,7 +178,7 @@ def many_writers(daemon: DaemonProcess, actors: int, procs: int) -> dict:
     cpu = daemon.cpu_seconds() - cpu_before
     for c in children:
         c.join(60)
-    client = reverb.Client(daemon.address)
+    client = reverb.Client(daemon.address, token=TOKEN)
     stored = client.server_info(timeout=30)["writes"].current_size
     return {"actors": actors, "procs": procs, "failures": failures, "open_s": all_open - started,
             "total_s": finished - started, "items": stored, "rss_before": rss_before, "rss_open": rss_open,
@@ -192,7 +199,7 @@ def _median_ms(fn, rounds: int) -> float:
 
 
 def latencies(daemon: DaemonProcess, rounds: int) -> dict:
-    client = reverb.Client(daemon.address)
+    client = reverb.Client(daemon.address, token=TOKEN)
     for _ in range(TABLE_ITEMS):
         client.insert({"x": np.zeros(16, np.float32)}, {"prio": 1.0})
     keys = [s.info.key for s in client.sample("prio", 256, emit_timesteps=False)]
@@ -202,18 +209,55 @@ def latencies(daemon: DaemonProcess, rounds: int) -> dict:
         out[f"mutate_b{batch}_ms"] = _median_ms(lambda u=updates: client.mutate_priorities("prio", updates=u), rounds)
     stub = pb_grpc.ReplayServiceStub(grpc.insecure_channel(daemon.address))
     session = stub.OpenDataPlane(pb.OpenDataPlaneRequest(
-        table="prio", offer=pb.DataPlaneOffer(shm=True, host_id=local_host_id())), timeout=10).session_id
+        table="prio", offer=pb.DataPlaneOffer(shm=True, host_id=local_host_id())), timeout=10,
+        metadata=AUTH).session_id
     held: list[int] = []
 
     def select(n: int, batches: int = 1) -> None:
         response = stub.Select(pb.SelectRequest(session_id=session, num_samples=n, num_batches=batches, packed=True,
-                                                release_lease_ids=held), timeout=10)
+                                                release_lease_ids=held), timeout=10, metadata=AUTH)
         held[:] = list(response.batch_lease_ids) or [response.lease_id]
 
     for n in (32, 256):
         out[f"select_b{n}_ms"] = _median_ms(lambda n=n: select(n), rounds)
     out["select_4x32_ms_per_batch"] = _median_ms(lambda: select(32, 4), rounds) / 4
     return out
+
+
+def unauthenticated_flood(daemon: DaemonProcess, calls: int) -> dict:
+    """``calls`` health Watch streams and ``calls`` InsertStreams without the token, all opened at once,
+    then authenticated ServerInfo calls: how the refused calls ended and what the others waited."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channels = [grpc.insecure_channel(daemon.address) for _ in range(8)]
+    rss_before = daemon.rss_bytes()
+    started = time.perf_counter()
+    watches, inserts = [], []
+    for n in range(calls):
+        channel = channels[n % len(channels)]
+        watches.append(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120))
+        inserts.append(pb_grpc.ReplayServiceStub(channel).InsertStream(iter(()), timeout=120))
+    opened = time.perf_counter() - started
+    stub = pb_grpc.ReplayServiceStub(grpc.insecure_channel(daemon.address))
+    authenticated_ms = _median_ms(lambda: stub.ServerInfo(pb.ServerInfoRequest(), timeout=30, metadata=AUTH), 50)
+    codes: dict[str, int] = {}
+    for call in inserts:
+        try:
+            for _ in call:
+                pass
+            name = "OK"
+        except grpc.RpcError as e:
+            name = e.code().name
+        codes[f"InsertStream {name}"] = codes.get(f"InsertStream {name}", 0) + 1
+    rss_open = daemon.rss_bytes()
+    for call in watches:
+        name = call.code().name if call.done() else "open"
+        codes[f"Watch {name}"] = codes.get(f"Watch {name}", 0) + 1
+        call.cancel()
+    for channel in channels:
+        channel.close()
+    return {"calls": calls, "opened_s": opened, "authenticated_ms": authenticated_ms, "codes": codes,
+            "rss_growth": rss_open - rss_before}
 
 
 REVERB_SCRIPT = r'''
@@ -255,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actors", type=int, default=1000)
     parser.add_argument("--procs", type=int, default=2, help="client processes the actors are spread over")
     parser.add_argument("--rounds", type=int, default=300, help="calls per latency figure")
+    parser.add_argument("--flood", type=int, default=10_000, help="calls without the token opened at once")
     default_reverb = ROOT / ".venv-reverb" / "bin" / "python"
     parser.add_argument("--reverb-python", default=str(default_reverb) if default_reverb.exists() else None)
     parser.add_argument("--json", help="also write the figures to this file")
@@ -265,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         writers = many_writers(daemon, args.actors, args.procs)
         lat = latencies(daemon, args.rounds)
+        flood = unauthenticated_flood(daemon, args.flood) if args.flood else None
     finally:
         daemon.stop()
     ok = not writers["failures"] and writers["items"] == args.actors * ITEMS_PER_ACTOR
@@ -277,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    failures: {writers['failures'][:3]}")
     print(f"  daemon RSS: {writers['rss_before'] / 2**20:.1f} MiB before, {writers['rss_open'] / 2**20:.1f} MiB with "
           f"every stream open: {writers['rss_per_stream'] / 1024:.1f} KiB per open stream")
+    if flood:
+        print(f"  {flood['calls']} health Watch streams + {flood['calls']} InsertStreams without the token, opened in "
+              f"{flood['opened_s']:.2f} s: {dict(sorted(flood['codes'].items()))}; authenticated ServerInfo "
+              f"meanwhile: median {flood['authenticated_ms']:.3f} ms; daemon RSS +{flood['rss_growth'] / 2**20:.1f} MiB")
     reverb_lat = reverb_latencies(args.reverb_python, args.rounds) if args.reverb_python else None
     goal = {32: None, 256: None}
     if reverb_lat:
@@ -297,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Select of 4 batches of 32 (num_batches=4): {lat['select_4x32_ms_per_batch']:.3f} ms per batch  "
           f"{against(lat['select_4x32_ms_per_batch'], 32)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"writers": writers, "latency": lat, "reverb": reverb_lat}, indent=2))
+        Path(args.json).write_text(json.dumps({"writers": writers, "latency": lat, "flood": flood,
+                                               "reverb": reverb_lat}, indent=2))
     return 0 if ok else 1
 
 

@@ -42,22 +42,21 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, enter: Callable[[aio.Service
 
     ``leave`` runs only when ``enter`` returned (an ``enter`` that aborts the call skips it).
     ``deserializer`` replaces the handler's; ``requests(request_or_iterator, context)``
-    may replace what the behaviour receives (its result is awaited when awaitable).
+    may replace what the behaviour receives (its result is awaited when awaitable: a
+    coroutine that aborts the call refuses it).
     """
     inner = (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
-
-    async def arguments(request: Any, context: aio.ServicerContext) -> Any:
-        if requests is None:
-            return request
-        result = requests(request, context)
-        return await result if inspect.isawaitable(result) else result
 
     if inspect.isasyncgenfunction(inner):
         async def behavior(request, context):  # answers yielded
             await enter(context)
             error = None
             try:
-                async for response in inner(await arguments(request, context), context):
+                if requests is not None:
+                    request = requests(request, context)
+                    if inspect.isawaitable(request):
+                        request = await request
+                async for response in inner(request, context):
                     yield response
             except BaseException as e:
                 error = e
@@ -69,7 +68,11 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, enter: Callable[[aio.Service
             await enter(context)
             error = None
             try:
-                result = inner(await arguments(request, context), context)
+                if requests is not None:
+                    request = requests(request, context)
+                    if inspect.isawaitable(request):
+                        request = await request
+                result = inner(request, context)
                 return await result if inspect.isawaitable(result) else result
             except BaseException as e:
                 error = e
@@ -151,11 +154,10 @@ class _RateLimitedLog:
             self._dropped += 1
 
 
-async def _refuse_malformed(method: str, request: Any, context: aio.ServicerContext, refusals: _RateLimitedLog) -> Any:
-    if isinstance(request, MalformedRequest):
-        refusals.info("%s: refused bytes that are %s", method, request)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
-    return request
+async def _refuse(method: str, request: MalformedRequest, context: aio.ServicerContext,
+                  refusals: _RateLimitedLog) -> None:
+    refusals.info("%s: refused bytes that are %s", method, request)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
 
 async def _checked_stream(method: str, requests: AsyncIterator[Any], context: aio.ServicerContext,
@@ -203,7 +205,9 @@ class CallGuard(aio.ServerInterceptor):
                 return _checked_stream(method, iterator, context, refusals)
         else:
             def requests(request: Any, context: aio.ServicerContext) -> Any:
-                return _refuse_malformed(method, request, context, refusals)
+                if isinstance(request, MalformedRequest):  # awaited by the wrapper: the call ends there
+                    return _refuse(method, request, context, refusals)
+                return request
         return wrap_handler(handler, enter=enter, leave=leave, deserializer=lenient(handler.request_deserializer),
                             requests=requests)
 
