@@ -18,11 +18,11 @@ it answers (a restarted daemon restores its own checkpoint).
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -147,7 +147,7 @@ class ShardSet:
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses) + 2),
                                                 thread_name_prefix="gear-shards")
-        self._owners: OrderedDict[int, int] = OrderedDict()
+        self._owners: dict[int, int] = {}  # key -> shard index, in the order learnt
         self._rejoin_listeners: list[Callable[[Shard], None]] = []
         self.shards: list[Shard] = self._connect(addresses, make_client)
 
@@ -265,14 +265,13 @@ class ShardSet:
 
     # ------------------------------------------------------------------ key ownership
     def learn_owners(self, keys: Iterable[int], shard: Shard) -> None:
-        """Remember that ``keys`` live on ``shard`` (bounded; the oldest entries go first)."""
+        """Remember that ``keys`` live on ``shard`` (bounded: past MAX_CACHED_KEYS the oldest half goes)."""
         with self._lock:
             owners = self._owners
-            for key in keys:
-                owners[int(key)] = shard.index
-                owners.move_to_end(int(key))
-            while len(owners) > MAX_CACHED_KEYS:
-                owners.popitem(last=False)
+            owners.update(zip(keys, itertools.repeat(shard.index)))
+            if len(owners) > MAX_CACHED_KEYS:
+                for key in list(itertools.islice(owners, len(owners) - MAX_CACHED_KEYS // 2)):
+                    del owners[key]
 
     def owner(self, key: int) -> Shard | None:
         with self._lock:

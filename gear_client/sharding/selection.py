@@ -88,8 +88,12 @@ def split(policy: Policy, weights: list[ShardWeight], n: int, rng: np.random.Gen
     return {w.shard: int(c) for w, c in zip(present, counts.tolist(), strict=True) if c}
 
 
+MASS_SAMPLE = 16  # items a shard's mass is derived from (each gives it exactly, up to rounding)
+
+
 def selection_mass(policy: Policy, priorities: np.ndarray, probabilities: np.ndarray) -> float | None:
     """A shard's priority mass when it selected (weight / its probability), None if its answer cannot tell."""
+    priorities, probabilities = priorities[:MASS_SAMPLE], probabilities[:MASS_SAMPLE]
     w = priority_weights(priorities, policy.exponent)
     ok = (w > 0) & (probabilities > 0)
     if not ok.any():
