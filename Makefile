@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb serve proto proto-check lint kernels-build clean install-service
+.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service
 
 install: $(STAMP)
 
@@ -87,6 +87,10 @@ demo: install
 
 bench: install
 	$(VPY) bench/bench_core.py
+
+# Hand-framed protobuf pieces (gear_contract/wire.py) against protobuf's own encoder and parser.
+bench-wire: install
+	$(VPY) bench/bench_wire.py
 
 # Data planes on this machine (Reverb side by side when .venv-reverb exists).
 bench-planes: install

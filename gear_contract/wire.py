@@ -3,8 +3,8 @@
 The insert and sample paths frame multi-MiB column buffers themselves so the
 bytes are copied once (protobuf would copy them into and out of messages).
 Each piece is kept only where ``bench/bench_wire.py`` shows it beats protobuf
-(figures in docs/BENCHMARKS.md); release keys are left to protobuf, whose
-packed encoding is faster. Field numbers come
+(figures in docs/BENCHMARKS.md); release keys and sample responses under
+``HAND_DECODE_MIN_BYTES`` are left to protobuf, which is faster there. Field numbers come
 from protos/gear/v1/replay.proto; tests/client/test_wire.py round-trips every
 piece through protobuf's own parser.
 """
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from gear_contract._proto import replay_pb2 as pb
 
@@ -256,7 +257,19 @@ def _parse_tensor(raw: bytes, buf: memoryview, start: int, end: int) -> np.ndarr
     return np.frombuffer(raw, dtype=dtype, count=count, offset=data_at).reshape(shape)
 
 
+# Below this size protobuf's parser alone is faster (a few us: its copy of the columns costs less than the
+# Python loop over the fields); bench/bench_wire.py measured the crossover between 64 and 128 KiB.
+HAND_DECODE_MIN_BYTES = 96 << 10
+
+
 def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchView:
+    """Parse a serialized SampleResponse: by hand from ``HAND_DECODE_MIN_BYTES`` up, else by protobuf."""
+    if len(raw) < HAND_DECODE_MIN_BYTES:
+        return decode_sample_response_by_protobuf(raw, writable)
+    return decode_sample_response_by_hand(raw, writable)
+
+
+def decode_sample_response_by_hand(raw: bytes, writable: bool = False) -> SampleBatchView:
     """Parse a serialized SampleResponse; columns framed by hand, the small fields by protobuf.
 
     Column arrays view ``raw`` (read-only, no copy), or with ``writable`` are one
@@ -284,7 +297,7 @@ def decode_sample_response(raw: bytes, writable: bool = False) -> SampleBatchVie
             field_start = pos
             key, pos = read_varint(buf, pos)
             if key != 0x12:  # not SampleBatch.columns: the rest goes to protobuf
-                batch.MergeFromString(buf[field_start:batch_end])
+                _merge(batch, buf[field_start:batch_end])
                 pos = batch_end
                 break
             length, pos = read_varint(buf, pos)
@@ -316,6 +329,15 @@ def _tensor_arrays(tensors: Sequence[pb.Tensor], writable: bool) -> list[np.ndar
 
 
 def decode_sample_response_by_protobuf(raw: bytes, writable: bool = False) -> SampleBatchView:
-    """The same, through protobuf's parser alone (it copies each column's bytes): bench_wire's reference."""
-    batch = pb.SampleResponse.FromString(raw).batch
-    return SampleBatchView(batch, _tensor_arrays(batch.columns, writable))
+    """Parse a serialized SampleResponse with protobuf's parser alone (it copies each column's bytes once)."""
+    response = pb.SampleResponse()
+    _merge(response, raw)
+    return SampleBatchView(response.batch, _tensor_arrays(response.batch.columns, writable))
+
+
+def _merge(message: Any, data: bytes | memoryview) -> None:
+    """Parse ``data`` into ``message``; ValueError (as for every malformed response) when it is not valid."""
+    try:
+        message.MergeFromString(data)
+    except DecodeError as e:
+        raise ValueError(f"malformed sample response: {e}") from None

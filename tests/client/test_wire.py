@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.wire import (
+    HAND_DECODE_MIN_BYTES,
     decode_sample_response,
+    decode_sample_response_by_hand,
+    decode_sample_response_by_protobuf,
     encode_chunk_head,
     encode_insert_item,
     encode_release_keys,
@@ -125,30 +130,44 @@ def test_sample_responses_round_trip_through_protobuf(items, steps, obs):
     # hand-encoded -> protobuf's parser
     assert pb.SampleResponse.FromString(raw) == expected
     # protobuf-encoded (small fields first, the order protobuf writes) -> hand decoder, and the hand-encoded one
-    for message in (expected.SerializeToString(), raw):
-        for writable in (False, True):
-            view = decode_sample_response(message, writable=writable)
-            assert list(view.infos) == infos and view.num_items == items
-            assert view.squeeze == [True, False] and view.structure == structure
-            np.testing.assert_array_equal(view.lengths, lengths)
-            for got, want in zip(view.columns, arrays, strict=True):
-                np.testing.assert_array_equal(got, want)
-                assert got.flags.writeable == writable
-            np.testing.assert_array_equal(view.item_columns(items - 1)[1], arrays[1][(items - 1) * steps:])
+    decoders = (decode_sample_response, decode_sample_response_by_hand, decode_sample_response_by_protobuf)
+    for message, decode, writable in itertools.product((expected.SerializeToString(), raw), decoders, (False, True)):
+        view = decode(message, writable=writable)
+        assert list(view.infos) == infos and view.num_items == items
+        assert view.squeeze == [True, False] and view.structure == structure
+        np.testing.assert_array_equal(view.lengths, lengths)
+        for got, want in zip(view.columns, arrays, strict=True):
+            np.testing.assert_array_equal(got, want)
+            assert got.flags.writeable == writable
+        np.testing.assert_array_equal(view.item_columns(items - 1)[1], arrays[1][(items - 1) * steps:])
 
 
 def test_hand_decoded_columns_view_the_message():
     infos, lengths, structure, columns, _, arrays = _sample_parts(8, 2)
     raw = encode_sample_response(infos, lengths, structure, [True, False], columns)
-    view = decode_sample_response(raw)
+    view = decode_sample_response_by_hand(raw)
     assert all(np.shares_memory(np.frombuffer(raw, np.uint8), c) for c in view.columns)  # no copy
+
+
+def _encoded(items: int, steps: int, obs: int) -> bytes:
+    infos, lengths, structure, columns, _, _ = _sample_parts(items, steps, obs)
+    return encode_sample_response(infos, lengths, structure, [True, False], columns)
+
+
+def test_small_responses_go_to_protobuf_large_ones_are_framed_by_hand():
+    small, large = _encoded(2, 1, 16), _encoded(64, 2, 256)
+    assert len(small) < HAND_DECODE_MIN_BYTES <= len(large)
+    view = decode_sample_response(large)
+    assert all(np.shares_memory(np.frombuffer(large, np.uint8), c) for c in view.columns)  # framed by hand
+    view = decode_sample_response(small)
+    assert not any(np.shares_memory(np.frombuffer(small, np.uint8), c) for c in view.columns)  # protobuf's copy
 
 
 def test_malformed_sample_responses_are_refused():
     infos, lengths, structure, columns, _, _ = _sample_parts(4, 2)
     raw = encode_sample_response(infos, lengths, structure, [True, False], columns)
     with pytest.raises(ValueError, match="truncated"):
-        decode_sample_response(raw[:-200])
+        decode_sample_response_by_hand(raw[:-200])
     bad = pb.SampleResponse(batch=pb.SampleBatch(columns=[pb.Tensor(dtype="<f4", shape=[3], data=b"\0" * 8)]))
     with pytest.raises(ValueError, match="holds 8 bytes"):
         decode_sample_response(bad.SerializeToString())
