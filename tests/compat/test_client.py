@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ._support import BACKEND, PROMPT_S, info_of, reverb, sample_one, sampled_keys
+from ._support import BACKEND, PROMPT_S, info_of, reverb, sample_one, sampled_keys, spec
 
 
 def test_insert_needs_priorities(client):
@@ -235,3 +235,24 @@ def test_writer_factories_validate_arguments(client):
         client.writer(3, chunk_length=0)
     with pytest.raises(ValueError):
         client.writer(3, max_in_flight_items=0)
+
+
+@pytest.mark.parametrize("planes", [None, ()], ids=["default-planes", "inline"])
+def test_insert_is_checked_on_the_flattened_leaves_of_the_signature(planes):
+    """Reverb compares flattened leaves, each as one step or as the whole trajectory (issue 12.2)."""
+    server = reverb.Server([reverb.Table.queue("scalar", 10, signature=spec((), np.int64)),
+                            reverb.Table.queue("one", 10, signature=spec((1,), np.int64))])
+    try:
+        kwargs = {} if BACKEND == "reverb" or planes is None else {"data_planes": planes}
+        client = reverb.Client(f"localhost:{server.port}", **kwargs)
+        client.insert(1, {"scalar": 1.0})                 # a step of shape [] into TensorSpec([])
+        client.insert([np.int64(5)], {"one": 1.0})        # a list of one leaf into a bare TensorSpec([1])
+        flat = next(client.sample("scalar", 1, emit_timesteps=False))
+        assert [int(x) for x in flat.data[0]] == [1]
+        packed = next(client.sample("one", 1, emit_timesteps=False, unpack_as_table_signature=True))
+        assert isinstance(packed.data, np.ndarray) and packed.data.tolist() == [5]  # the signature's structure
+        with pytest.raises(ValueError):
+            client.insert(np.float32(1.0), {"scalar": 1.0})  # the dtype still counts
+        assert info_of(client, "scalar").current_size == 0 and info_of(client, "one").current_size == 0
+    finally:
+        server.stop()
