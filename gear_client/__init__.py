@@ -27,6 +27,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "TimestepDataset": ("gear_client.datasets", "TimestepDataset"),
     "ReplayDataset": ("gear_client.tf_datasets", "ReplayDataset"),
     "TFClient": ("gear_client.tf_client", "TFClient"),
+    "tf_datasets": ("gear_client.tf_datasets", None),
     "ReverbError": ("gear_client.errors", "ReverbError"),
     "DeadlineExceededError": ("gear_client.errors", "DeadlineExceededError"),
     "selectors": ("gear_contract.selectors", None),
@@ -62,8 +63,8 @@ REVERB_MODULES: dict[str, str] = {
 }
 
 # With TensorFlow installed, code that says `import reverb` (the alias) gets Reverb's tf.data datasets
-# under these names; `import gear_client as reverb` keeps the Python iterators (their
-# ``from_table_signature`` builds the tf.data one).
+# under these names; `import gear_client as reverb` keeps the Python iterators (the tf.data ones are
+# ``reverb.tf_datasets.TrajectoryDataset`` etc. there).
 TF_EXPORTS: dict[str, tuple[str, str]] = {
     "TrajectoryDataset": ("gear_client.tf_datasets", "TrajectoryDataset"),
     "TimestepDataset": ("gear_client.tf_datasets", "TimestepDataset"),

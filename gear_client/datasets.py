@@ -105,15 +105,6 @@ class TrajectoryDataset(_iterable_dataset_base()):
                         max_samples=max_samples, sampler_options=sampler_options)
         self._start()
 
-    @classmethod
-    def from_table_signature(cls, server_address: str, table: str, max_in_flight_samples_per_worker: int,
-                             **kwargs: Any) -> Any:
-        """Reverb's tf.data constructor: a ``tf.data.Dataset`` of the signature's specs (gear_client.tf_datasets)."""
-        from gear_client import tf_datasets
-
-        return tf_datasets.TrajectoryDataset.from_table_signature(server_address, table,
-                                                                  max_in_flight_samples_per_worker, **kwargs)
-
     def _configure(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
                    device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
                    rate_limiter_timeout_ms: int = -1, max_samples: int = -1,
@@ -357,15 +348,6 @@ class TimestepDataset(TrajectoryDataset):
     For tables whose items are single steps (``Client.insert``, or writers with
     one-step items): data leaves are ``[batch, *shape]``.
     """
-
-    @classmethod
-    def from_table_signature(cls, server_address: str, table: str, max_in_flight_samples_per_worker: int,
-                             **kwargs: Any) -> Any:
-        """Reverb's tf.data constructor: one element per step (gear_client.tf_datasets)."""
-        from gear_client import tf_datasets
-
-        return tf_datasets.TimestepDataset.from_table_signature(server_address, table,
-                                                                max_in_flight_samples_per_worker, **kwargs)
 
     def _configure(self, server_address: Any, table: str, batch_size: int, **kwargs: Any) -> None:
         if kwargs.get("window") not in (None, 1):

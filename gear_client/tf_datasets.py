@@ -31,23 +31,10 @@ except ImportError as e:  # pragma: no cover - the module is only imported where
 
 from gear_client import datasets as python_datasets
 from gear_client.replay_sample import ReplaySample, SampleInfo
-from gear_contract import nest, specs
+from gear_client.tf_specs import to_tf_signature
+from gear_contract import nest
 
-__all__ = ["TrajectoryDataset", "TimestepDataset", "ReplayDataset", "to_tf_spec", "to_tf_signature",
-           "sample_info_specs", "table_signature"]
-
-
-def to_tf_spec(spec: Any) -> tf.TensorSpec:
-    """A tf.TensorSpec from any spec gear takes (gear's TensorSpec, tf.TensorSpec, a dtype...)."""
-    if isinstance(spec, tf.TensorSpec):
-        return spec
-    s = specs.to_tensor_spec(spec)
-    return tf.TensorSpec(shape=list(s.shape), dtype=tf.as_dtype(s.dtype), name=s.name)
-
-
-def to_tf_signature(signature: Any) -> Any:
-    """The same nest with every leaf a tf.TensorSpec."""
-    return nest.map_structure(to_tf_spec, signature)
+__all__ = ["TrajectoryDataset", "TimestepDataset", "ReplayDataset", "sample_info_specs", "table_signature"]
 
 
 def sample_info_specs() -> SampleInfo:
@@ -135,6 +122,18 @@ def _check_leaf(spec: tf.TensorSpec, value: np.ndarray, table: str, what: str) -
     return value if value.dtype == want else value.astype(want)
 
 
+def _from_generator(generate, element_spec: Any) -> tf.data.Dataset:
+    """The generator as a tf.data.Dataset, without the prefetch tf.data injects by default.
+
+    With that injected prefetch, ``next(iter(dataset))`` on a queue holding one
+    item waited for a second item before it handed over the first (seen with
+    TensorFlow 2.21, about one run in two); gear's dataset prefetches already.
+    """
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    return tf.data.Dataset.from_generator(generate, output_signature=element_spec).with_options(options)
+
+
 def _trajectories(source: _ItemSource, sequence_length: int | None = None) -> tf.data.Dataset:
     element_spec = ReplaySample(sample_info_specs(), source.data_spec)
 
@@ -150,7 +149,7 @@ def _trajectories(source: _ItemSource, sequence_length: int | None = None) -> tf
                                                                                        strict=True)]
             yield ReplaySample(info, nest.pack_as(source.data_spec, data))
 
-    return tf.data.Dataset.from_generator(generate, output_signature=element_spec)
+    return _from_generator(generate, element_spec)
 
 
 def _timesteps(source: _ItemSource) -> tf.data.Dataset:
@@ -167,7 +166,7 @@ def _timesteps(source: _ItemSource) -> tf.data.Dataset:
                         for s, v in zip(source.flat_specs, leaves, strict=True)]
                 yield ReplaySample(info, nest.pack_as(source.data_spec, data))
 
-    return tf.data.Dataset.from_generator(generate, output_signature=element_spec)
+    return _from_generator(generate, element_spec)
 
 
 class TrajectoryDataset:

@@ -2,7 +2,8 @@
 
 Reverb's tf.data datasets (TrajectoryDataset / TimestepDataset / ReplayDataset,
 ``from_table_signature``), ``TFClient`` and tf.TensorSpec signatures, against a
-real daemon on loopback. Acme's ``make_reverb_dataset`` and TF-Agents'
+real daemon on loopback, written as Reverb code: ``import reverb`` (the alias
+distribution, alias/reverb, from the source tree). Acme's ``make_reverb_dataset`` and TF-Agents'
 ``ReverbReplayBuffer.as_dataset`` are reproduced call for call (the libraries
 themselves are not installed here).
 """
@@ -13,6 +14,7 @@ import collections
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,10 +24,14 @@ import pytest
 pytestmark = pytest.mark.tf
 tf = pytest.importorskip("tensorflow")
 
-import gear_client as reverb  # noqa: E402 - after the skip: these tests need TensorFlow
+ROOT = Path(__file__).resolve().parents[2]
+# Acme and TF-Agents say `import reverb`: the alias distribution's package, from the source tree.
+sys.path.insert(0, str(ROOT / "alias" / "reverb"))
+
+import reverb  # noqa: E402 - after the skip: these tests need TensorFlow
+
 from gear_client import tf_datasets  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 T = 4
 Step = collections.namedtuple("Step", ["observation", "action", "reward"])  # a TF-Agents-like Trajectory
 STEP_SIGNATURE = Step(observation={"pixels": tf.TensorSpec([2, 3], tf.uint8), "pos": tf.TensorSpec([2], tf.float32)},
@@ -231,7 +237,32 @@ def test_tf_client_update_priorities_changes_the_table(server):
     assert all(p == 1.0 for k, p in priorities.items() if k != int(key))
 
 
-def test_import_reverb_gives_the_tf_datasets(server, tmp_path):
+def test_a_queue_item_is_handed_over_without_waiting_for_the_next(server):
+    """One item in a queue: next(iter(dataset)) returns it (tf.data's injected prefetch held it back)."""
+    address = _address(server)
+    client = reverb.Client(address)
+    for round_ in range(5):
+        client.insert(np.float32(round_), {"queue": 1.0})
+        dataset = tf_datasets.TrajectoryDataset(address, "queue", shapes=[1], dtypes=tf.float32,
+                                                max_in_flight_samples_per_worker=2)
+        got: list = []
+        reader = threading.Thread(target=lambda d=dataset, out=got: out.append(next(iter(d))), daemon=True)
+        reader.start()
+        reader.join(30)
+        assert got, f"round {round_}: the queue's one item was not handed over within 30 s"
+        assert float(got[0].data[0]) == round_
+
+
+def test_gear_client_keeps_python_datasets_and_exports_the_tf_ones():
+    import gear_client
+
+    assert reverb.TrajectoryDataset is tf_datasets.TrajectoryDataset
+    assert gear_client.TrajectoryDataset is not tf_datasets.TrajectoryDataset
+    assert gear_client.tf_datasets.TimestepDataset is reverb.TimestepDataset
+    assert gear_client.ReplayDataset is reverb.ReplayDataset
+
+
+def test_import_reverb_in_a_fresh_process_gives_the_tf_datasets(server, tmp_path):
     script = f"""
 import tensorflow as tf
 import reverb
