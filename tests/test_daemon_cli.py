@@ -64,6 +64,9 @@ BASE = 'port = 0\n[[tables]]\nname = "t"\nmax_size = 10\n'
     ('port = 0\n', "tables"),
     (BASE.replace("port = 0", "port = 70000") + 'preset = "queue"\n', "port"),
     ('port = 0\n[[tables\n', "invalid TOML"),
+    (BASE + 'preset = "queue"\n[limits]\nmax_stream = 10\n', "max_stream"),
+    (BASE + 'preset = "queue"\n[limits]\nmax_streams = 0\n', "max_streams"),
+    (BASE + 'preset = "queue"\n[limits]\nmax_buffered_bytes = "4G"\n', "max_buffered_bytes"),
 ])
 def test_config_mistakes_are_named(tmp_path, text, words):
     path = tmp_path / "bad.toml"
@@ -71,6 +74,13 @@ def test_config_mistakes_are_named(tmp_path, text, words):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert words.lower() in str(e.value).lower(), str(e.value)
+
+
+def test_limits_section_is_read():
+    settings = parse_config({"port": 0, "tables": [{"name": "t", "max_size": 10, "preset": "queue"}],
+                             "limits": {"max_streams": 10, "max_stream_buffer_bytes": 1 << 20}})
+    assert settings.limits.max_streams == 10 and settings.limits.max_stream_buffer_bytes == 1 << 20
+    assert settings.limits.max_health_streams == 256  # the default of a key left out
 
 
 def test_config_forms_of_selectors_and_rate_limiters():

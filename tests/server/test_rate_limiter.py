@@ -245,3 +245,104 @@ def test_close_wakes_blocked_insert_and_sample(store):
 def test_deadline_after():
     assert deadline_after(None) is None
     assert deadline_after(-1) <= time.monotonic()
+
+
+# ------------------------------------------------------------------ event-loop callers (TableCalls)
+
+def _run(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def test_event_loop_waits_hold_no_thread_and_keep_reverbs_stats(store):
+    """Calls from an event loop wait on the limiter without a thread; stats count each call once."""
+    import asyncio
+
+    from gear_server.table_calls import TableCalls
+
+    rl = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=100.0)
+    table = make_table(store, rate_limiter=rl)
+    calls = TableCalls(2)  # fewer threads than waiting calls: waits must not hold them
+
+    async def scenario():
+        samplers = [asyncio.ensure_future(calls.sample(table, 2, timeout=10)) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        assert not any(s.done() for s in samplers)
+        assert table.info().rate_limiter_info.sample_stats.pending_wait_time_s > 0
+        for key in range(1, 11):  # each insert allows one sample: 10 for 5 batches of 2
+            await calls.insert(table, item(key), timeout=10)
+        selections = await asyncio.wait_for(asyncio.gather(*samplers), 10)
+        keys = sorted(int(k) for s in selections for k in s.keys)
+        for s in selections:
+            for lease in s.lease_ids:
+                table.release(lease)
+        return keys
+
+    keys = _run(scenario())
+    assert len(keys) == 10
+    stats = table.info().rate_limiter_info.sample_stats
+    assert stats.completed == 10 and stats.pending_wait_time_s == 0
+    assert 5 <= stats.limited <= 10  # each batch waited (a batch waits again between its two items)
+    assert table.active_leases() == 0
+    calls.shutdown()
+    table.close()
+
+
+def test_event_loop_timeout_cancel_and_partial_batch(store):
+    import asyncio
+
+    from gear_server.table_calls import TableCalls
+
+    rl = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=100.0)
+    table = make_table(store, rate_limiter=rl)
+    calls = TableCalls(2)
+
+    async def scenario():
+        started = time.monotonic()
+        with pytest.raises(RateLimiterTimeout):
+            await calls.sample(table, 1, timeout=0.1)  # nothing allowed: DEADLINE_EXCEEDED
+        assert time.monotonic() - started >= 0.09
+        waiting = asyncio.ensure_future(calls.sample(table, 1, timeout=None))
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # its RPC ended: it takes nothing and is not counted
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await calls.insert(table, item(1), timeout=1)
+        await calls.insert(table, item(2), timeout=1)
+        partial = await calls.sample(table, 3, timeout=0.2)  # two allowed, the third times out: two returned
+        assert len(partial) == 2
+        for lease in partial.lease_ids:
+            table.release(lease)
+
+    _run(scenario())
+    stats = table.info().rate_limiter_info.sample_stats
+    assert stats.completed == 2
+    assert stats.limited == 2  # the timed-out call and the partial batch's wait; not the cancelled one
+    assert stats.pending_wait_time_s == 0 and table.active_leases() == 0
+    calls.shutdown()
+    table.close()
+
+
+def test_a_woken_waiter_that_leaves_passes_the_wake_on(store):
+    """The limiter wakes as many waiters as it allows; one that left meanwhile hands its wake to the next."""
+    from gear_server.rate_limiter import WaitTicket, WouldBlock
+
+    rl = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=100.0)
+    table = make_table(store, rate_limiter=rl)
+    woken: list[str] = []
+    first, second = WaitTicket(lambda: woken.append("first")), WaitTicket(lambda: woken.append("second"))
+    for ticket in (first, second):
+        with ticket.attempting(), pytest.raises(WouldBlock):
+            table.sample(1, timeout=0)
+    table.insert(item(1))  # one sample allowed: only the oldest waiter is woken
+    assert woken == ["first"]
+    first.abandon()  # it left without attempting: the wake goes on
+    assert woken == ["first", "second"]
+    with second.attempting():
+        selection = table.sample(1, timeout=0)
+    second.settle()
+    table.release(selection.lease_id)
+    stats = table.info().rate_limiter_info.sample_stats
+    assert stats.completed == 1 and stats.limited == 1 and stats.pending_wait_time_s == 0
+    table.close()
