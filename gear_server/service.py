@@ -38,7 +38,9 @@ from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.errors import shorten
 from gear_server.items import BadRequest, ItemToInsert, tensor_to_array
 from gear_server.limits import MAX_ITEMS_PER_SAMPLE_REQUEST, ByteBudget, LimitSettings
+from gear_server.metrics import ServerMetrics
 from gear_server.statuses import abort_for, find_table, status_of
+from gear_server.table import Table
 from gear_server.table_calls import JoinedSelection, TableCalls
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ def items_per_message(item_bytes: int, limit: int = MAX_ITEMS_PER_SAMPLE_MESSAGE
     return int(max(1, min(limit, target // item_bytes)))
 
 
-def _slot_bytes(table: Any) -> int:
+def _slot_bytes(table: Table) -> int:
     """Bytes one item may take in the table's layout (0 before the first item fixed it)."""
     layout = table.layout()
     if layout is None:
@@ -125,12 +127,12 @@ def _slot_bytes(table: Any) -> int:
 class ReplayService:
     """The ReplayService RPCs over a dict of tables (register with ``add_to_server``)."""
 
-    def __init__(self, tables: Mapping[str, Any], calls: TableCalls, *, host_id: str = "", version: str = "",
+    def __init__(self, tables: Mapping[str, Table], calls: TableCalls, *, host_id: str = "", version: str = "",
                  checkpoint: Callable[[], str] | None = None, data_planes: DataPlaneManager | None = None,
-                 metrics: Any = None, limits: LimitSettings | None = None):
+                 metrics: ServerMetrics | None = None, limits: LimitSettings | None = None):
         self.tables = tables  # the daemon's dict
         self.calls = calls
-        self.metrics = metrics  # gear_server.metrics.ServerMetrics or None
+        self.metrics = metrics
         self.host_id = host_id
         self.version = version
         self.checkpoint_fn = checkpoint
@@ -186,10 +188,10 @@ class ReplayService:
         finally:
             held.close()
 
-    def _acknowledge(self, keys: list[int]) -> Callable[[Any, Any], None]:
+    def _acknowledge(self, keys: list[int]) -> Callable[[Table, ItemToInsert], None]:
         metrics = self.metrics
 
-        def inserted(table: Any, item: Any) -> None:
+        def inserted(table: Table, item: ItemToInsert) -> None:
             keys.append(item.key)
             if metrics is not None:
                 metrics.item_inserted(table.name, item.columns)
@@ -345,7 +347,7 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-def _encode_and_release(table: Any, selection: JoinedSelection) -> list[bytes] | BaseException:
+def _encode_and_release(table: Table, selection: JoinedSelection) -> list[bytes] | BaseException:
     """The serialized SampleResponses of a leased selection, then the lease ends; a table error is returned."""
     try:
         return encode_selection(table, selection)
@@ -358,7 +360,7 @@ def _encode_and_release(table: Any, selection: JoinedSelection) -> list[bytes] |
             table.release(lease_id)
 
 
-def encode_selection(table: Any, selection: Any) -> list[bytes]:
+def encode_selection(table: Table, selection: JoinedSelection) -> list[bytes]:
     """The serialized SampleResponses of a leased selection (read while the lease holds): one per run of
     items that share a layout (one in the common case; tables without a signature may hold several)."""
     infos = [pb.SampleInfo(key=int(k), probability=float(p), table_size=int(s), priority=float(q),

@@ -22,44 +22,16 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from gear_server.errors import RateLimiterTimeout
+from gear_server.items import ItemToInsert
 from gear_server.rate_limiter import WaitTicket, WouldBlock
+from gear_server.table import Selection, Table
 
 T = TypeVar("T")
-
-
-class Selection(Protocol):
-    """What ``Table.sample`` returns (gear_server.table.Selection)."""
-
-    slots: np.ndarray
-    generations: np.ndarray
-    lengths: np.ndarray
-    keys: np.ndarray
-    probabilities: np.ndarray
-    table_sizes: np.ndarray
-    priorities: np.ndarray
-    times_sampled: np.ndarray
-    lease_id: int
-    layout_version: int
-
-    def __len__(self) -> int: ...
-
-
-class SamplingTable(Protocol):
-    """The part of ``gear_server.table.Table`` the event-loop calls use."""
-
-    name: str
-
-    def insert(self, item: Any, timeout: float | None = None, abandoned: Any = None) -> None: ...
-
-    def sample(self, num_samples: int, timeout: float | None = None, abandoned: Any = None, *,
-               by_reference: bool = False) -> Selection: ...
-
-    def release(self, lease_id: int) -> None: ...
 
 
 class JoinedSelection:
@@ -121,12 +93,12 @@ class TableCalls:
             future.add_done_callback(after)
             raise
 
-    async def insert(self, table: SamplingTable, item: Any, timeout: float | None) -> None:
+    async def insert(self, table: Table, item: ItemToInsert, timeout: float | None) -> None:
         """``table.insert(item)`` waiting for the rate limiter without holding a thread."""
         await self.insert_many([(table, item)], timeout)
 
-    async def insert_many(self, items: Sequence[tuple[SamplingTable, Any]], timeout: float | None,
-                          on_inserted: Callable[[SamplingTable, Any], None] | None = None) -> None:
+    async def insert_many(self, items: Sequence[tuple[Table, ItemToInsert]], timeout: float | None,
+                          on_inserted: Callable[[Table, ItemToInsert], None] | None = None) -> None:
         """Insert items in order; as many as the limiter allows go in one pool job.
 
         ``on_inserted(table, item)`` runs on the loop after each insert (acknowledgements, metrics).
@@ -165,7 +137,7 @@ class TableCalls:
             ticket.abandon()
             raise
 
-    async def sample(self, table: SamplingTable, n: int, timeout: float | None, *,
+    async def sample(self, table: Table, n: int, timeout: float | None, *,
                      by_reference: bool = False) -> JoinedSelection:
         """``table.sample(n)``: n items, each as the limiter allows, fewer only if the timeout passes after some.
 
@@ -174,7 +146,7 @@ class TableCalls:
         """
         return (await self.sample_batches(table, n, timeout, 1, by_reference=by_reference))[0]
 
-    async def sample_batches(self, table: SamplingTable, n: int, timeout: float | None, batches: int, *,
+    async def sample_batches(self, table: Table, n: int, timeout: float | None, batches: int, *,
                              by_reference: bool = False) -> list[JoinedSelection]:
         """The first batch as ``sample``; then up to ``batches - 1`` more of ``n`` items each, taken
         in the same pool job as the first batch's end, only while the limiter allows them at once."""
@@ -224,7 +196,7 @@ class TableCalls:
         return [JoinedSelection(parts), *(JoinedSelection([e]) for e in extra)]
 
 
-def _more_batches(table: SamplingTable, n: int, count: int, by_reference: bool) -> list[Selection]:
+def _more_batches(table: Table, n: int, count: int, by_reference: bool) -> list[Selection]:
     """Up to ``count`` batches of ``n`` items the limiter allows now (no waiting; on the pool)."""
     more: list[Selection] = []
     while len(more) < count and table.can_sample(n):

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import grpc
 import numpy as np
@@ -31,7 +30,9 @@ from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
 from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.errors import NeedsInlinePlane
+from gear_server.metrics import ServerMetrics
 from gear_server.statuses import abort_for, find_table
+from gear_server.table import Table
 from gear_server.table_calls import JoinedSelection, TableCalls
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ MAX_SELECT = 1 << 20  # items per Select (all its batches together)
 class DataPlaneManager:
     """Sessions and leases of learner data planes over a daemon's tables."""
 
-    def __init__(self, tables: Mapping[str, Any], host_id: str, calls: TableCalls, *, rdma: RdmaServer | None = None,
+    def __init__(self, tables: Mapping[str, Table], host_id: str, calls: TableCalls, *, rdma: RdmaServer | None = None,
                  rdma_off: str | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, reap_interval_s: float | None = None,
                  settings: DataPlaneSettings | None = None):
@@ -57,7 +58,7 @@ class DataPlaneManager:
         if rdma is None and rdma_off is None:
             rdma_off = "not attached"
         self.report = plane_report(rdma_off, gpu_off_reason())  # the daemon logs report.line() at start
-        self.metrics: Any = None  # gear_server.metrics.ServerMetrics, set by the daemon
+        self.metrics: ServerMetrics | None = None  # set by the daemon (Operations.attach_data_planes)
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
                                         max_sessions=settings.max_sessions,
                                         max_sessions_per_peer=settings.max_sessions_per_peer,
@@ -130,7 +131,7 @@ class DataPlaneManager:
         except Exception as exc:  # noqa: BLE001
             await abort_for(context, exc)
 
-    def _open(self, table: Any, kind: str, request: pb.OpenDataPlaneRequest, peer: str) -> pb.OpenDataPlaneResponse:
+    def _open(self, table: Table, kind: str, request: pb.OpenDataPlaneRequest, peer: str) -> pb.OpenDataPlaneResponse:
         """Open a session of ``kind`` (on the pool: RDMA resources take device calls)."""
         if kind != negotiation.INLINE and table.holds_other_layouts():  # items outside the segment's layout
             if not request.offer.inline:
@@ -243,7 +244,7 @@ class DataPlaneManager:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return response
 
-    def _send_layout(self, session: Session, table: Any, response: pb.SelectResponse,
+    def _send_layout(self, session: Session, table: Table, response: pb.SelectResponse,
                      context: aio.ServicerContext) -> None:
         """Attach the table's current layout (a growth copies every slot, so it addresses the refs too).
 
