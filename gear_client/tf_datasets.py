@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - the module is only imported where
                       "not: gear_client.TrajectoryDataset yields NumPy/CuPy/PyTorch batches without it") from e
 
 from gear_client import datasets as python_datasets
+from gear_client.data_planes.batch import SampledBatch
 from gear_client.replay_sample import ReplaySample, SampleInfo
 from gear_client.tf_specs import to_tf_signature
 from gear_contract import nest
@@ -85,32 +86,52 @@ def _lists_as_tuples(spec: Any) -> Any:
 
 
 class _ItemSource:
-    """Python generator of (info, flat leaves) per item of a table, over gear's Python dataset."""
+    """The table's items over gear's Python dataset: one at a time, or in batches where the table allows.
+
+    Where sampling takes nothing from the table (data_planes.read_ahead), the
+    Python dataset fetches ``max_in_flight`` items per batch; queues and
+    rate-limited tables get one item per batch, fetched when asked for, so no
+    item is taken that is not delivered.
+    """
 
     def __init__(self, server_address: str, table: str, data_spec: Any, *, rate_limiter_timeout_ms: int,
-                 max_samples: int, prefetch: int):
+                 max_samples: int, max_in_flight: int):
         self.server_address = server_address
         self.table = table
         self.data_spec = _lists_as_tuples(data_spec)
         self.flat_specs: list[tf.TensorSpec] = nest.flatten(self.data_spec)
         self.rate_limiter_timeout_ms = int(rate_limiter_timeout_ms)
         self.max_samples = int(max_samples)
-        self.prefetch = max(1, int(prefetch))
+        self.max_in_flight = max(1, int(max_in_flight))
 
-    def items(self) -> Iterator[tuple[SampleInfo, list[np.ndarray]]]:
+    def _batch_size(self) -> int:
+        from gear_client.client import Client
+        from gear_client.data_planes.read_ahead import may_read_ahead
+
+        client = Client(self.server_address)
+        try:
+            return self.max_in_flight if may_read_ahead(client._table_info(self.table, refresh=True)) else 1
+        finally:
+            client.close()
+
+    def batches(self) -> Iterator[SampledBatch]:
+        """The Python dataset's batches, each checked to hold as many leaves as the specs."""
         dataset = python_datasets.TrajectoryDataset(
-            self.server_address, self.table, batch_size=1, prefetch=self.prefetch,
+            self.server_address, self.table, batch_size=self._batch_size(), prefetch=2,
             rate_limiter_timeout_ms=self.rate_limiter_timeout_ms, max_samples=self.max_samples)
         try:
             for batch in dataset.batches():
-                for info, leaves in zip(batch.item_infos(), (batch.item_columns(i) for i in range(len(batch))),
-                                        strict=True):
-                    if len(leaves) != len(self.flat_specs):
-                        raise ValueError(f"table {self.table!r}: an item has {len(leaves)} leaves but the dataset's "
-                                         f"specs have {len(self.flat_specs)}")
-                    yield info, [np.asarray(leaf) for leaf in leaves]
+                if len(batch.columns) != len(self.flat_specs):
+                    raise ValueError(f"table {self.table!r}: its items have {len(batch.columns)} leaves but the "
+                                     f"dataset's specs have {len(self.flat_specs)}")
+                yield batch
         finally:
             dataset.close()
+
+    def items(self) -> Iterator[tuple[SampleInfo, list[np.ndarray]]]:
+        for batch in self.batches():
+            for i, info in enumerate(batch.item_infos()):
+                yield info, [np.asarray(leaf) for leaf in batch.item_columns(i)]
 
 
 def _check_leaf(spec: tf.TensorSpec, value: np.ndarray, table: str, what: str) -> np.ndarray:
@@ -134,8 +155,15 @@ def _from_generator(generate, element_spec: Any) -> tf.data.Dataset:
     return tf.data.Dataset.from_generator(generate, output_signature=element_spec).with_options(options)
 
 
+def _outer(spec: tf.TensorSpec) -> tf.TensorSpec:
+    """The spec with a leading dimension of unknown size (a batch, or an item's steps)."""
+    return tf.TensorSpec([None, *spec.shape], spec.dtype, spec.name)
+
+
 def _trajectories(source: _ItemSource, sequence_length: int | None = None) -> tf.data.Dataset:
     element_spec = ReplaySample(sample_info_specs(), source.data_spec)
+    if sequence_length is None and all(spec.shape.is_fully_defined() for spec in source.flat_specs):
+        return _whole_batches(source, element_spec)
 
     def generate() -> Iterator[ReplaySample]:
         for info, leaves in source.items():
@@ -152,8 +180,29 @@ def _trajectories(source: _ItemSource, sequence_length: int | None = None) -> tf
     return _from_generator(generate, element_spec)
 
 
+def _whole_batches(source: _ItemSource, element_spec: ReplaySample) -> tf.data.Dataset:
+    """Items of fully defined shapes: one generator element per fetched batch, split into items by unbatch()."""
+    batched_spec = nest.map_structure(_outer, element_spec)
+
+    def generate() -> Iterator[ReplaySample]:
+        for batch in source.batches():
+            columns = []
+            for c, (spec, column) in enumerate(zip(source.flat_specs, batch.columns, strict=True)):
+                column = np.asarray(column)
+                padded = not batch.squeeze[c] and (batch.lengths[:, c] != column.shape[1]).any()
+                if padded or not spec.shape.is_compatible_with(column.shape[1:]):
+                    lengths = sorted({int(n) for n in batch.lengths[:, c]})
+                    raise ValueError(f"table {source.table!r}: leaf {c} of items {batch.keys.tolist()} has shape "
+                                     f"{list(column.shape[1:])} (lengths {lengths}), not the dataset's spec {spec}")
+                columns.append(_check_leaf(_outer(spec), column, source.table, f"leaf {c}"))
+            yield ReplaySample(batch.info, nest.pack_as(source.data_spec, columns))
+
+    return _from_generator(generate, batched_spec).unbatch()
+
+
 def _timesteps(source: _ItemSource) -> tf.data.Dataset:
-    element_spec = ReplaySample(sample_info_specs(), source.data_spec)
+    """One generator element per item (its steps, the info repeated), split into steps by unbatch()."""
+    stepped_spec = nest.map_structure(_outer, ReplaySample(sample_info_specs(), source.data_spec))
 
     def generate() -> Iterator[ReplaySample]:
         for info, leaves in source.items():
@@ -161,12 +210,14 @@ def _timesteps(source: _ItemSource) -> tf.data.Dataset:
             if len(lengths) != 1:
                 raise ValueError(f"table {source.table!r}: item {info.key} has columns of lengths {sorted(lengths)}; "
                                  "a timestep dataset needs items whose columns all have the same number of steps")
-            for t in range(lengths.pop()):
-                data = [_check_leaf(s, v[t], source.table, f"step {t} of item {info.key}")
-                        for s, v in zip(source.flat_specs, leaves, strict=True)]
-                yield ReplaySample(info, nest.pack_as(source.data_spec, data))
+            steps = lengths.pop()
+            data = [_check_leaf(_outer(s), v, source.table, f"item {info.key}")
+                    for s, v in zip(source.flat_specs, leaves, strict=True)]
+            infos = SampleInfo(*(np.full(steps, v, spec.dtype.as_numpy_dtype)
+                                 for v, spec in zip(info, stepped_spec.info, strict=True)))
+            yield ReplaySample(infos, nest.pack_as(source.data_spec, data))
 
-    return _from_generator(generate, element_spec)
+    return _from_generator(generate, stepped_spec).unbatch()
 
 
 class TrajectoryDataset:
@@ -185,7 +236,7 @@ class TrajectoryDataset:
                       rate_limiter_timeout_ms, max_samples)
         source = _ItemSource(server_address, table, _specs_from(dtypes, shapes),
                              rate_limiter_timeout_ms=rate_limiter_timeout_ms, max_samples=max_samples,
-                             prefetch=max_in_flight_samples_per_worker)
+                             max_in_flight=max_in_flight_samples_per_worker)
         return cls._build(source)
 
     @staticmethod
@@ -236,7 +287,7 @@ class ReplayDataset:
                     raise ValueError(f"with emit_timesteps=False, shapes must start with sequence_length "
                                      f"({sequence_length}); got {spec.shape}")
         source = _ItemSource(server_address, table, data_spec, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
-                             max_samples=max_samples, prefetch=max_in_flight_samples_per_worker)
+                             max_samples=max_samples, max_in_flight=max_in_flight_samples_per_worker)
         return _timesteps(source) if emit_timesteps else _trajectories(source, sequence_length)
 
     @classmethod
