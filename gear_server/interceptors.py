@@ -28,7 +28,7 @@ from grpc import aio
 
 from gear_server.limits import CallSlots, LimitSettings
 from gear_server.metrics import UNKNOWN_METHOD, ServerMetrics, method_label
-from gear_server.statuses import LimitExceeded
+from gear_server.statuses import LimitExceeded, RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -132,36 +132,14 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return parse
 
 
-class _RateLimitedLog:
-    """At most ``per_minute`` log lines a minute, then one line saying how many were left out."""
-
-    def __init__(self, per_minute: int = 5):
-        self.per_minute = per_minute
-        self._window = 0.0
-        self._count = 0
-        self._dropped = 0
-
-    def info(self, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._window >= 60.0:
-            if self._dropped:
-                log.info("%d more such lines left out in the last minute", self._dropped)
-            self._window, self._count, self._dropped = now, 0, 0
-        if self._count < self.per_minute:
-            self._count += 1
-            log.info(message, *args)
-        else:
-            self._dropped += 1
-
-
 async def _refuse(method: str, request: MalformedRequest, context: aio.ServicerContext,
-                  refusals: _RateLimitedLog) -> None:
+                  refusals: RefusalLog) -> None:
     refusals.info("%s: refused bytes that are %s", method, request)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
 
 async def _checked_stream(method: str, requests: AsyncIterator[Any], context: aio.ServicerContext,
-                          refusals: _RateLimitedLog) -> AsyncIterator[Any]:
+                          refusals: RefusalLog) -> AsyncIterator[Any]:
     n = 0
     async for request in requests:
         if isinstance(request, MalformedRequest):
@@ -177,7 +155,7 @@ class CallGuard(aio.ServerInterceptor):
     def __init__(self, limits: LimitSettings):
         self.calls = CallSlots(limits.max_streams, "limits.max_streams", "calls")
         self.health_calls = CallSlots(limits.max_health_streams, "limits.max_health_streams", "health calls")
-        self._refusals = _RateLimitedLog()
+        self._refusals = RefusalLog(log)
         self._cache = _Cache()
 
     async def intercept_service(self, continuation, handler_call_details):

@@ -39,7 +39,7 @@ from gear_server.errors import shorten
 from gear_server.items import BadRequest, ItemToInsert, tensor_to_array
 from gear_server.limits import MAX_ITEMS_PER_SAMPLE_REQUEST, ByteBudget, LimitSettings
 from gear_server.metrics import ServerMetrics
-from gear_server.statuses import abort_for, find_table, status_of
+from gear_server.statuses import RefusalLog, abort_for, find_table, status_of
 from gear_server.table import Table
 from gear_server.table_calls import JoinedSelection, TableCalls
 
@@ -138,6 +138,7 @@ class ReplayService:
         self.checkpoint_fn = checkpoint
         self.data_planes = data_planes
         self.buffers = ByteBudget(limits or LimitSettings())
+        self.refusals = RefusalLog(log)
 
     # -------------------------------------------------------------- inserts
     async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
@@ -163,7 +164,7 @@ class ReplayService:
                         table = await find_table(self.tables, item.table, context)
                         prepared.append((table, build_item(item, chunks)))
                 except BadRequest as e:
-                    log.info("InsertStream request %d refused: %s", n, e)
+                    self.refusals.info("InsertStream request %d refused: %s", n, e)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 except Exception as e:  # noqa: BLE001 (a limit: RESOURCE_EXHAUSTED)
                     await abort_for(context, e)
@@ -177,7 +178,7 @@ class ReplayService:
                     if error is not None:
                         if keys:
                             yield pb.InsertStreamResponse(keys=keys)
-                        log.info("InsertStream insert refused: %s", error)
+                        self.refusals.info("InsertStream insert refused: %s", error)
                         await abort_for(context, error)
                 for key in request.release_chunk_keys:
                     released = chunks.pop(key, None)

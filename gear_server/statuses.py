@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections.abc import Mapping
 from typing import NoReturn, TypeVar
 
@@ -72,3 +73,29 @@ async def find_table(tables: Mapping[str, T], name: str, context: aio.ServicerCo
     if table is None:
         await abort_for(context, TableNotFoundError(name))
     return table
+
+
+class RefusalLog:
+    """Refused calls as log lines: at most ``per_minute`` a minute, then one line saying how many were left out.
+
+    Callers choose what they send: a flood of bad requests must not flood the log.
+    """
+
+    def __init__(self, logger: logging.Logger, per_minute: int = 5):
+        self.logger = logger
+        self.per_minute = per_minute
+        self._window = 0.0
+        self._count = 0
+        self._dropped = 0
+
+    def info(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._window >= 60.0:
+            if self._dropped:
+                self.logger.info("%d more refused calls left out of the log in the last minute", self._dropped)
+            self._window, self._count, self._dropped = now, 0, 0
+        if self._count < self.per_minute:
+            self._count += 1
+            self.logger.info(message, *args)
+        else:
+            self._dropped += 1

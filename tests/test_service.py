@@ -439,3 +439,17 @@ def test_a_table_error_while_encoding_a_sample_maps_to_its_status_and_releases_t
     e = rpc_error(stub.Sample, pb.SampleRequest(table="uniform", num_samples=1), timeout=PROMPT_S)
     assert e.code() == grpc.StatusCode.UNAVAILABLE and "closed" in e.details()
     assert table.active_leases() == 0
+
+
+def test_a_flood_of_bad_requests_gets_a_few_log_lines_and_no_traceback(stub, caplog):
+    import logging
+
+    too_deep = pb.InsertStreamRequest(chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(
+        dtype="<f4", shape=[1] * 65, data=b"\0" * 4))], items=[item(9, "uniform", [(1, 0, 1)])])
+    with caplog.at_level(logging.INFO, logger="gear_server"):
+        for _ in range(50):
+            error = rpc_error(stub.InsertStream, iter([too_deep]), timeout=PROMPT_S)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank 65" in error.details()
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) <= 6 and not any(r.exc_info for r in caplog.records)  # not one line per call
+    assert size(stub, "uniform") == 0
