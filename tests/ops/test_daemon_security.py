@@ -57,6 +57,14 @@ def test_every_rpc_needs_the_token_and_handles_go_only_to_authenticated_calls(tm
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             check = health.health_pb2_grpc.HealthStub(channel).Check
             assert check(health.health_pb2.HealthCheckRequest(), timeout=10).status == health.SERVING
+            # Per-service names need the token (the same answer for a service that exists and one that does not).
+            for service in (health.REPLAY_SERVICE, "no.such.Service"):
+                with pytest.raises(grpc.RpcError) as info:
+                    check(health.health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            reply = check(health.health_pb2.HealthCheckRequest(service=health.REPLAY_SERVICE), timeout=10,
+                          metadata=[("authorization", f"Bearer {TOKEN}")])
+            assert reply.status == health.SERVING
 
         # The Reverb API with the token: everything works.
         client = gear_client.Client(daemon.address, token=TOKEN, data_planes=())
