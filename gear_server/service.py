@@ -215,7 +215,7 @@ class ReplayService:
         remaining = int(request.num_samples)
         asked = int(request.max_items_per_message)
         while remaining > 0:
-            item_bytes = _slot_bytes(table)
+            item_bytes = await self.calls.run(_slot_bytes, table)  # reads the layout under the table's lock
             if asked:  # the caller's size, as long as a message stays within MAX_SAMPLE_MESSAGE_BYTES
                 per_message = items_per_message(item_bytes, asked, MAX_SAMPLE_MESSAGE_BYTES)
             else:
@@ -271,11 +271,16 @@ class ReplayService:
         table = await find_table(self.tables, request.table, context)
         if request.num_samples < 0 or request.num_inserts < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_samples and num_inserts must be >= 0")
+        samples, inserts = int(request.num_samples), int(request.num_inserts)
         response = pb.RateLimiterCheckResponse()
-        if request.num_samples:
-            response.can_sample = table.can_sample(int(request.num_samples))
-        if request.num_inserts:
-            response.can_insert = table.can_insert(int(request.num_inserts))
+
+        def check() -> None:  # takes the table's lock: on the pool, never on the loop
+            if samples:
+                response.can_sample = table.can_sample(samples)
+            if inserts:
+                response.can_insert = table.can_insert(inserts)
+
+        await self.calls.run(check)
         return response
 
     async def Checkpoint(self, request: pb.CheckpointRequest,  # noqa: N802

@@ -397,3 +397,33 @@ def test_a_slow_reader_of_a_sample_stream_costs_bounded_memory(make_daemon):
     assert size(stub, "t") == 4
     time.sleep(0.3)
     assert d.daemon.tables["t"].active_leases() == 0
+
+
+def test_a_table_held_by_a_long_operation_does_not_stall_the_other_calls(make_daemon):
+    """While a table's lock is held (a checkpoint copying it, a segment growing), calls on that table
+    wait on the pool, and every other call (health, other tables) is answered at once."""
+    d = make_daemon(table_config("busy"), table_config("other"))
+    channel = grpc.insecure_channel(d.address)
+    stub = pb_grpc.ReplayServiceStub(channel)
+    list(stub.InsertStream(iter([chunk_request(1, np.ones((1, 3), np.float32), "other")]), timeout=PROMPT_S))
+    lock = d.daemon.tables["busy"]._state.lock  # what a snapshot or a regrowth holds
+    held = threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            time.sleep(1.5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    waiting = [stub.CheckRateLimiter.future(pb.RateLimiterCheckRequest(table="busy", num_samples=1), timeout=30)]
+    started = time.monotonic()
+    health_stub = health.health_pb2_grpc.HealthStub(channel)
+    assert health_stub.Check(health.health_pb2.HealthCheckRequest(), timeout=5).status == health.SERVING
+    (response,) = stub.Sample(pb.SampleRequest(table="other", num_samples=1), timeout=5)
+    assert response.batch.info[0].key == 1
+    assert time.monotonic() - started < 0.75  # answered while the lock is still held
+    assert not waiting[0].done()
+    holder.join(10)
+    assert waiting[0].result(timeout=10).can_sample is False

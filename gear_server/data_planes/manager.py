@@ -189,7 +189,12 @@ class DataPlaneManager:
         if n < 1 or n * batches > MAX_SELECT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"num_samples ({n}) x num_batches ({batches}) must be in [1, {MAX_SELECT}]")
-        stale = self.sessions.release(session, request.release_lease_ids) if request.release_lease_ids else []
+        stale: list[int] = []
+        ended = list(request.release_lease_ids)
+
+        def release_first() -> None:  # leases the learner is done with (takes table locks: on the pool)
+            stale.extend(self.sessions.release(session, ended))
+
         table = session.table
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         started = time.perf_counter()
@@ -200,7 +205,8 @@ class DataPlaneManager:
         try:
             if session.closed:
                 raise asyncio.CancelledError
-            picked = await self.calls.sample_batches(table, n, timeout, batches, by_reference=True)
+            picked = await self.calls.sample_batches(table, n, timeout, batches, by_reference=True,
+                                                     prelude=release_first if ended else None)
         except NeedsInlinePlane as exc:  # nothing was taken: the learner negotiates again and is answered inline
             self.sessions.close(session.session_id)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session closed: {exc}")
@@ -238,7 +244,7 @@ class DataPlaneManager:
         response.stale_lease_ids.extend(stale)
         if joined.layout_version != session.layout_version:
             try:
-                self._send_layout(session, table, response, context)
+                await self.calls.run(self._send_layout, session, table, response, context)
             except OSError as exc:
                 self.sessions.release(session, lease_ids)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -262,7 +268,7 @@ class DataPlaneManager:
 
     async def release(self, request: pb.ReleaseRequest, context: aio.ServicerContext) -> pb.ReleaseResponse:
         session = await self._session(request.session_id, context)
-        stale = self.sessions.release(session, request.lease_ids)
+        stale = await self.calls.run(self.sessions.release, session, list(request.lease_ids))
         return pb.ReleaseResponse(stale_lease_ids=stale)
 
     async def close(self, request: pb.CloseDataPlaneRequest,
