@@ -13,7 +13,7 @@ import enum
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.items import ColumnSpec, PreparedItem, leaf_paths
-from gear_server.table_state import TableState
+from gear_server.table_core import TableCore
 
 
 class Placement(enum.Enum):
@@ -24,12 +24,12 @@ class Placement(enum.Enum):
     SIDE = "side"  # another layout while the table holds items: the side store (no signature only)
 
 
-def can_relearn(st: TableState) -> bool:
+def can_relearn(st: TableCore) -> bool:
     """Whether a signature-less table may take a new layout now: it holds no item, lease or copy."""
     return st.signature is None and st.columns.learned and st.slots.idle() and not st.copies_in_flight
 
 
-def placement(st: TableState, prep: PreparedItem) -> Placement:
+def placement(st: TableCore, prep: PreparedItem) -> Placement:
     """Where the item goes: the column slots, a relearned layout (the table is empty and idle), or the
     side store (a signature-less table holding items of another layout). With a signature the item
     must fit it (ValueError naming the leaf otherwise)."""
@@ -47,7 +47,7 @@ def placement(st: TableState, prep: PreparedItem) -> Placement:
     return Placement.COLUMNS
 
 
-def check_fits(st: TableState, prep: PreparedItem) -> None:
+def check_fits(st: TableCore, prep: PreparedItem) -> None:
     """ValueError unless the item matches the signature and the learned layout."""
     # a signature compares flattened leaves (Reverb); a learned layout the whole structure
     why = st.columns.structure_mismatch(prep) if st.signature is None else None
@@ -62,7 +62,7 @@ def check_fits(st: TableState, prep: PreparedItem) -> None:
         raise ValueError(why)
 
 
-def learn_layout(st: TableState, prep: PreparedItem) -> None:
+def learn_layout(st: TableCore, prep: PreparedItem) -> None:
     """Fix the column specs from the first item, or relearn them from an item that breaks the
     learned ones while the table holds nothing, and create the segment.
 
@@ -97,7 +97,7 @@ def learn_layout(st: TableState, prep: PreparedItem) -> None:
         st.end_exclusive()
 
 
-def next_capacity(st: TableState) -> int:
+def next_capacity(st: TableCore) -> int:
     """Slots after a growth: doubling up to max_size + spare, then spare more (leases pin deleted slots)."""
     full = st.max_size + st.spare
     if st.capacity < full:
@@ -105,7 +105,7 @@ def next_capacity(st: TableState) -> int:
     return st.capacity + max(st.spare, 16)
 
 
-def regrow(st: TableState, capacity: int, lengths: list[int] | None) -> None:
+def regrow(st: TableCore, capacity: int, lengths: list[int] | None) -> None:
     """Move to a new segment with more slots and/or longer slots, items kept."""
     st.begin_exclusive()
     try:

@@ -1,6 +1,6 @@
 """A replay table: Reverb's semantics over slots, selectors, a rate limiter and a column store.
 
-``Table`` is the facade: its state is a ``gear_server.table_state.TableState``;
+``Table`` is the facade: its state is a ``gear_server.table_core.TableCore``;
 the insert path is ``table_insert``, the sample path (picks, leases, reads)
 ``table_sample``, placement, layout learning and growth ``layout_fitting``;
 mutate, reset, checkpoints and lifecycle are here.
@@ -47,7 +47,7 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_server import table_insert, table_sample
 from gear_server.item_groups import ItemGroup
-from gear_server.items import (  # noqa: F401 (ItemToInsert, count_leaves, leaf_paths: re-exported)
+from gear_server.items import (
     ItemToInsert,
     count_leaves,
     leaf_paths,
@@ -58,9 +58,9 @@ from gear_server.selectors import make_selector
 from gear_server.side_items import SideStore
 from gear_server.slots import ItemMetadata, SlotBook
 from gear_server.storage import Segment, SegmentStore
+from gear_server.table_core import Abandoned, TableCore
 from gear_server.table_sample import Selection
 from gear_server.table_snapshot import RestorePlan, TableSnapshot, capture, jsonable
-from gear_server.table_state import Abandoned, TableState
 
 __all__ = ["ItemToInsert", "Selection", "Table", "TableSnapshot", "count_leaves", "leaf_paths"]
 
@@ -70,7 +70,7 @@ class Table:
 
     def __init__(self, config: pb.TableConfig, store: SegmentStore, *, seed: int | None = None,
                  spare_slots: int | None = None):
-        self._state = TableState(config, store, seed=seed, spare_slots=spare_slots)
+        self._state = TableCore(config, store, seed=seed, spare_slots=spare_slots)
         self.config: pb.TableConfig = self._state.config
         self.name: str = self._state.name
         self.max_size: int = self._state.max_size

@@ -19,10 +19,10 @@ from gear_server.items import ItemToInsert, PreparedItem
 from gear_server.layout_fitting import Placement, can_relearn, learn_layout, next_capacity, placement, regrow
 from gear_server.rate_limiter import deadline_after
 from gear_server.side_items import SideItem
-from gear_server.table_state import Abandoned, TableState
+from gear_server.table_core import Abandoned, TableCore
 
 
-def insert(st: TableState, item: ItemToInsert, timeout: float | None = None, abandoned: Abandoned = None) -> None:
+def insert(st: TableCore, item: ItemToInsert, timeout: float | None = None, abandoned: Abandoned = None) -> None:
     """Insert (or, for an existing key, update the priority of) one item (``Table.insert``)."""
     deadline = deadline_after(timeout)
     prep = item.validated()
@@ -90,7 +90,7 @@ def insert(st: TableState, item: ItemToInsert, timeout: float | None = None, aba
         raise
 
 
-def _commit(st: TableState, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
+def _commit(st: TableCore, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
     """Publish a copied item (lock held); insert-when-full then removes one through the remover."""
     t0 = time.perf_counter()
     if st.closed:

@@ -20,7 +20,7 @@ from gear_server.items import ColumnSpec
 from gear_server.rate_limiter import deadline_after
 from gear_server.sampling import count_picks
 from gear_server.side_items import SideItem
-from gear_server.table_state import Abandoned, TableState
+from gear_server.table_core import Abandoned, TableCore
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Selection:
         return len(self.slots)
 
 
-def sample(st: TableState, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
+def sample(st: TableCore, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
            by_reference: bool = False) -> Selection:
     """Pick ``num_samples`` items, each as if sampled alone, and lease their slots (``Table.sample``)."""
     n = int(num_samples)
@@ -98,11 +98,11 @@ def sample(st: TableState, num_samples: int, timeout: float | None = None, aband
         )
 
 
-def _layouts_held(st: TableState) -> int:
+def _layouts_held(st: TableCore) -> int:
     return len({item.layout_key for item in st.side.items.values()}) + (len(st.side) < len(st.slots))
 
 
-def _pick(st: TableState, k: int) -> tuple:
+def _pick(st: TableCore, k: int) -> tuple:
     """Up to k picks that see the same table (lock held); stops after a pick that deletes its item."""
     slots, probs = st.sampler.sample(k, st.rng)
     picks = count_picks(st.meta, slots, probs, st.max_times_sampled, len(st.slots))
@@ -113,7 +113,7 @@ def _pick(st: TableState, k: int) -> tuple:
 
 
 # ---------------------------------------------------------------------- reading leased items
-def read(st: TableState, selection: Selection) -> list[np.ndarray]:
+def read(st: TableCore, selection: Selection) -> list[np.ndarray]:
     """Copy the selected items' bytes: per column, the items' steps concatenated (``Table.read``)."""
     views, specs, side = _leased_views(st, selection)
     if side:
@@ -121,7 +121,7 @@ def read(st: TableState, selection: Selection) -> list[np.ndarray]:
     return gather(views, specs, selection.slots, selection.lengths)
 
 
-def slot_views(st: TableState, selection: Selection) -> list[list[np.ndarray]]:
+def slot_views(st: TableCore, selection: Selection) -> list[list[np.ndarray]]:
     """Per column, one no-copy view per selected item of its steps (``Table.slot_views``)."""
     views, specs, side = _leased_views(st, selection)
     if side:
@@ -129,7 +129,7 @@ def slot_views(st: TableState, selection: Selection) -> list[list[np.ndarray]]:
     return column_slot_views(views, specs, selection.slots, selection.lengths)
 
 
-def item_groups(st: TableState, selection: Selection) -> list[ItemGroup]:
+def item_groups(st: TableCore, selection: Selection) -> list[ItemGroup]:
     """The selected items in runs that share one layout, in selection order (``Table.item_groups``)."""
     views, specs, side = _leased_views(st, selection)
     with st.lock:
@@ -137,7 +137,7 @@ def item_groups(st: TableState, selection: Selection) -> list[ItemGroup]:
     return group_items(selection.slots, selection.lengths, views, specs, structure, side)
 
 
-def _leased_views(st: TableState, selection: Selection
+def _leased_views(st: TableCore, selection: Selection
                   ) -> tuple[list[np.ndarray], list[ColumnSpec], dict[int, SideItem]]:
     """The column views and specs to read ``selection`` from, once its lease is confirmed held,
     and the selected side items by slot.
@@ -156,7 +156,7 @@ def _leased_views(st: TableState, selection: Selection
         return st.columns.views, st.columns.specs, side
 
 
-def release(st: TableState, lease_id: int) -> None:
+def release(st: TableCore, lease_id: int) -> None:
     """End a lease (unknown or already released ids are ignored)."""
     with st.lock:
         slots = st.slots.leases.pop(int(lease_id), None)

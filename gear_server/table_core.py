@@ -1,6 +1,6 @@
-"""TableState: one table's parts and counters, and the steps every table operation shares.
+"""TableCore: one table's parts and counters, and the steps every table operation shares.
 
-A ``Table`` (``gear_server.table``) is a facade over one ``TableState``; the
+A ``Table`` (``gear_server.table``) is a facade over one ``TableCore``; the
 insert path (``table_insert``), the sample path (``table_sample``) and layout
 fitting (``layout_fitting``) are functions over it. Everything here is guarded by
 ``lock``; ``cond`` (on the same lock) is notified when copies in flight end and
@@ -32,7 +32,7 @@ def default_spare(max_size: int) -> int:
     return int(max(16, min(max_size // 8, 4096)))
 
 
-class TableState:
+class TableCore:
     """A table's configuration, parts (slots, selectors, rate limiter, column and side stores) and counters."""
 
     def __init__(self, config: pb.TableConfig, store: SegmentStore, *, seed: int | None = None,
