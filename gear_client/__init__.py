@@ -50,7 +50,7 @@ REVERB_MODULES: dict[str, str] = {
     "errors": "gear_client.errors",
     "replay_sample": "gear_client.replay_sample",
     "trajectory_writer": "gear_client.trajectory_writer",
-    "structured_writer": "gear_client.structured",
+    "structured_writer": "gear_client.structured_writer",
     "checkpointers": "gear_client.checkpointers",
     "item_selectors": "gear_contract.selectors",
     "selectors": "gear_contract.selectors",

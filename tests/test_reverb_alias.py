@@ -28,7 +28,8 @@ import reverb.errors
 
 import importlib
 import gear_client
-assert reverb.Client is gear_client.Client and sw is gear_client.structured
+import gear_client.structured_writer
+assert reverb.Client is gear_client.Client and sw is gear_client.structured_writer
 for name, module in gear_client.REVERB_MODULES.items():
     if not module.startswith("gear_client.tf_") or importlib.util.find_spec("tensorflow") is not None:
         assert importlib.import_module("reverb." + name) is importlib.import_module(module), name
