@@ -339,3 +339,17 @@ def test_table_definitions_validate_like_reverb():
     assert (ratio.min_diff, ratio.max_diff) == (1.0, 5.0)
     assert reverb.selectors.MinHeap().to_proto().heap.min_heap
     assert reverb.selectors.Prioritized(0.6).to_proto().prioritized.priority_exponent == 0.6
+
+
+def test_a_pickled_client_keeps_its_connect_timeout(monkeypatch):
+    monkeypatch.delenv("GEAR_CONNECT_TIMEOUT", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket is closed
+    for timeout in (0.5, -1):
+        clone = pickle.loads(pickle.dumps(reverb.Client(address, connect_timeout=timeout, data_planes=())))
+        assert clone._connect_timeout == (None if timeout == -1 else timeout)
+    start = time.monotonic()
+    with pytest.raises(reverb.errors.ConnectError, match="within 0.5 s"):
+        pickle.loads(pickle.dumps(reverb.Client(address, connect_timeout=0.5, data_planes=()))).server_info()
+    assert time.monotonic() - start < 5
