@@ -51,6 +51,7 @@ RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 _CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+_AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # no answer from a daemon
 _SAMPLE_METHOD = "/gear.v1.ReplayService/Sample"
 # gRPC target schemes whose address names no TCP port (or that take a port themselves).
 _NO_PORT_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
@@ -141,6 +142,8 @@ class DaemonChannel:
             now = time.monotonic()
             if error.code() in _CREDENTIAL_CODES:
                 raise self.error_for(error, operation)
+            if error.code() not in _AWAY_CODES:
+                return  # the daemon answered (busy, say): the call itself gets its own status
             if deadline is not None and now >= deadline:
                 cause, text = self.explain(error)
                 message = f"{operation}: no gear daemon reachable at {self.address} within {limit:g} s: {text}"

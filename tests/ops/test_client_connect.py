@@ -10,12 +10,15 @@ import logging
 import threading
 import time
 import uuid
+from concurrent import futures
 
+import grpc
 import numpy as np
 import pytest
 
 import gear_client
 from gear_client import errors
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
 
 from ._support import DaemonProcess, free_port, insert_items, tables_toml
 
@@ -175,3 +178,25 @@ def test_a_daemon_that_starts_late_and_restarts(daemon_factory, caplog):
         restarted.join()
     insert_items(client, [2.0])
     assert [s.data[0][0] for s in client.sample("queue", 1, emit_timesteps=False)][0][0] == 2.0
+
+
+class _BusyReplay(pb_grpc.ReplayServiceServicer):
+    def ServerInfo(self, request, context):  # noqa: N802 - gRPC's name
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams (limits.max_streams)")
+
+
+def test_a_daemon_that_answers_with_an_error_is_not_waited_for():
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_ReplayServiceServicer_to_server(_BusyReplay(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        client = gear_client.Client(f"127.0.0.1:{port}", connect_timeout=20, data_planes=())
+        start = time.monotonic()
+        with pytest.raises(errors.ServiceError, match="max_streams") as info:
+            client.server_info()
+        assert not isinstance(info.value, errors.ConnectError)
+        client._wait_ready("trajectory_writer")  # the daemon is there: no wait for the connect timeout
+        assert time.monotonic() - start < SLACK_S
+    finally:
+        server.stop(0)
