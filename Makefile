@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service
+.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu
 
 install: $(STAMP)
 
@@ -83,6 +83,16 @@ bench-shards: install
 # The same on the GPU machine: B=256 into GPU memory, selection over 4 shards of 1M items.
 bench-shards-gpu:
 	$(GPU_ENV) $(PYTHON) bench/bench_shards.py --full --device cuda
+
+# Many actor processes inserting (same-host insert plane, network path through the ingest workers), and a
+# learner beside them. Small (--quick) on machines of fewer than 8 CPUs, in full otherwise.
+SCALE_ARGS ?= $(if $(shell test $$(nproc) -lt 8 && echo small),--quick,)
+bench-scale: install
+	$(VPY) bench/bench_scale.py $(SCALE_ARGS)
+
+# On the GPU machine (system python3 with cupy, no venv): the learner gathers into GPU memory.
+bench-scale-gpu:
+	$(GPU_ENV) $(PYTHON) bench/bench_scale.py $(SCALE_ARGS)
 
 demo: install
 	$(VPY) examples/demo.py

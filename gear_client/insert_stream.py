@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from gear_client.chunker import NewChunk
+from gear_client.insert_plane import ingest_channel
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
 from gear_contract.wire import encode_release_keys, mark_resend
@@ -62,13 +63,13 @@ class _Pending(NamedTuple):
     created_at: float  # time.monotonic() when the writer handed it over
 
 
-def _open_insert_stream(client: Any) -> tuple[Any, bool]:
+def _open_insert_stream(client: Any, channel: grpc.Channel | None = None) -> tuple[Any, bool]:
     """The InsertStream multicallable, and whether it takes encoded bytes.
 
-    With the client's channel the writer sends its hand-encoded bytes as they
-    are; through the stub (no channel) they are parsed into a message first.
+    On ``channel`` (an ingest worker's) or the client's channel the writer sends its hand-encoded
+    bytes as they are; through the stub (no channel) they are parsed into a message first.
     """
-    channel = getattr(client, "_channel", None)
+    channel = channel or getattr(client, "_channel", None)
     if isinstance(channel, grpc.Channel):
         return channel.stream_stream(_INSERT_STREAM_METHOD, request_serializer=None,
                                      response_deserializer=pb.InsertStreamResponse.FromString), True
@@ -85,7 +86,12 @@ class InsertStream:
     def __init__(self, client: Any, reconnect_timeout_s: float):
         self._cond = threading.Condition()
         self._reconnect_timeout_s = float(reconnect_timeout_s)
-        self._open_call, self._raw = _open_insert_stream(client)
+        # An ingest worker of the daemon when it runs some (gear_client/insert_plane.py). After an outage
+        # the writer reconnects to the daemon itself: a restarted daemon's workers listen on other ports.
+        self._client = client
+        self._ingest_channel = ingest_channel(client)
+        self._open_call, self._raw = _open_insert_stream(client, self._ingest_channel)
+        self._calls_opened = 0
         self.address = str(getattr(client, "server_address", "the daemon"))  # for messages
         self.pending: dict[int, _Pending] = {}  # item key -> what a new call would resend, in send order
         self.in_flight_bytes = 0
@@ -302,6 +308,11 @@ class InsertStream:
             self._queue.put(self._request(message))
         # Fail-fast: a call to a daemon that is away fails at once, before it sends anything, and the
         # thread tries again; so nothing queued here goes out after its items were given up.
+        if self._calls_opened and self._ingest_channel is not None:
+            self._open_call, self._raw = _open_insert_stream(self._client)
+            self._ingest_channel.close()
+            self._ingest_channel = None
+        self._calls_opened += 1
         call = self._open_call(self._requests(requests), wait_for_ready=False)
         self._call = call
         self._in_call = True
@@ -431,6 +442,8 @@ class InsertStream:
         if self._thread.is_alive():
             self._cancel()
             self._thread.join(timeout)
+        if self._ingest_channel is not None:
+            self._ingest_channel.close()
 
     def abort(self) -> None:
         """Cancel at once (when the writer is dropped); once only.
@@ -453,6 +466,8 @@ class InsertStream:
         call = self._call
         if call is not None:
             call.cancel()
+        if self._ingest_channel is not None:
+            self._ingest_channel.close()
 
 
 def _describe(error: BaseException | None) -> str:

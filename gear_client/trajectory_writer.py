@@ -35,6 +35,7 @@ from gear_client.errors import (
     ServiceError,
     from_rpc_error,
 )
+from gear_client.insert_plane import SameHostRoute
 from gear_client.insert_stream import InsertStream, close_stream
 from gear_client.step_layout import StepLayout
 from gear_client.trajectory_column import DataReference, StepCount, TrajectoryColumn
@@ -85,6 +86,7 @@ class TrajectoryWriter:
         self._table_infos: dict[str, pb.TableInfo] = {}
         self._validated: dict[Any, bool] = {}
         self._structures: dict[Any, bytes] = {}  # treedef -> encoded gear.v1.Structure
+        self._same_host = SameHostRoute(client)  # the insert plane, when the daemon is on this host
 
     # ----------------------------------------------------------- context --
     def __enter__(self) -> TrajectoryWriter:
@@ -193,6 +195,9 @@ class TrajectoryWriter:
                 self._structures.clear()
             self._structures[treedef] = structure
 
+        key = self._new_id()
+        if self._send_same_host(table, key, priority, structure, flat):
+            return
         stream = self._ready_stream("create_item")
         if not stream.wait(self._max_in_flight - 1, self._max_in_flight_bytes, None):
             raise DeadlineExceededError("create_item: timed out waiting for in-flight items")
@@ -201,7 +206,6 @@ class TrajectoryWriter:
         chunks: list[NewChunk] = []
         item_columns = self._chunker.item_columns(flat, chunks)
         self._chunker.collect_releases(self._columns)
-        key = self._new_id()
         stream.send_item(chunks, key, encode_insert_item(key, table.encode(), priority, structure, item_columns),
                          self._chunker.take_releases())
 
@@ -210,12 +214,16 @@ class TrajectoryWriter:
         if block_until_num_items < 0:
             raise ValueError(f"block_until_num_items must be >= 0, got {block_until_num_items}")
         self._raise_stream_error("flush")
+        deadline = None if timeout_ms is None or timeout_ms < 0 else time.monotonic() + timeout_ms / 1000.0
+        if not self._same_host.wait(block_until_num_items, deadline):
+            raise DeadlineExceededError(f"flush did not complete within {timeout_ms} ms "
+                                        f"({self._same_host.in_flight} items still in flight)")
+        self._raise_same_host_error("flush")
         stream = self._stream
         if stream is None:
             return
         self._chunker.collect_releases(self._columns)
         stream.send_releases(self._chunker.take_releases())
-        deadline = None if timeout_ms is None or timeout_ms < 0 else time.monotonic() + timeout_ms / 1000.0
         ok = stream.wait(block_until_num_items, 1 << 62, deadline)
         self._raise_stream_error("flush")
         if not ok:
@@ -249,6 +257,7 @@ class TrajectoryWriter:
         """End the stream (items not yet acknowledged may be lost; ``flush`` first to keep them)."""
         stream, self._stream = self._stream, None
         self._finalizer.detach()
+        self._same_host.close(_wait)
         if stream is not None:
             if _wait:
                 stream.close()
@@ -320,6 +329,43 @@ class TrajectoryWriter:
         if len(self._validated) > 1024:
             self._validated.clear()
         self._validated[cache_key] = True
+
+    # ------------------------------------------------------------ routes --
+    def _send_same_host(self, table: str, key: int, priority: float, structure: bytes,
+                        flat: list[TrajectoryColumn]) -> bool:
+        """Write the item into the table's shared memory when this host's daemon lets the writer
+        (gear_client/insert_plane.py); False: it goes over InsertStream. Items reach the table in order:
+        a route waits until the other one's items are in before it takes one."""
+        try:
+            rows = self._same_host.prepare(table, structure, flat)
+            if rows is None:
+                if self._same_host.in_flight:
+                    self._same_host.wait(0)
+                self._raise_same_host_error("create_item")
+                return False
+            stream = self._stream
+            if stream is not None and stream.in_flight:
+                stream.wait(0, 1 << 62, None)
+                self._raise_stream_error("create_item")
+            self._same_host.write(table, key, priority, rows, self._max_in_flight, self._max_in_flight_bytes)
+        except grpc.RpcError as e:
+            self._same_host.reset()
+            raise from_rpc_error(e, "create_item") from e
+        except RuntimeError as e:
+            if isinstance(e, ReverbError):
+                raise
+            self._same_host.reset()
+            raise ServiceError(f"create_item: the insert plane failed: {e}") from e
+        return True
+
+    def _raise_same_host_error(self, operation: str) -> None:
+        error = self._same_host.error
+        if error is None:
+            return
+        self._same_host.reset()
+        if isinstance(error, grpc.RpcError):
+            raise from_rpc_error(error, operation) from error
+        raise ServiceError(f"{operation}: the insert plane failed: {error}") from error
 
     # ------------------------------------------------------------ stream --
     def _ready_stream(self, operation: str) -> InsertStream:

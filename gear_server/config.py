@@ -30,7 +30,7 @@ Schema (deploy/gear-server.example.toml shows every key)::
     max_size = 1000
 
 Operations sections (``[checkpoint]``, ``[metrics]``, ``[auth]``, ``[logging]``,
-``[data_planes]``, ``[limits]``) are
+``[data_planes]``, ``[limits]``, ``[ingest]``) are
 parsed by their own modules (``<module>.<Settings>.from_toml(section)``).
 
 Every mistake is a ``ConfigError`` (a ValueError) naming the key and the table.
@@ -64,6 +64,7 @@ OPERATION_SECTIONS: dict[str, tuple[str, str]] = {
     "logging": ("gear_server.logs", "LoggingSettings"),
     "data_planes": ("gear_server.data_planes.settings", "DataPlaneSettings"),
     "limits": ("gear_server.limits", "LimitSettings"),
+    "ingest": ("gear_server.ingest.settings", "IngestSettings"),
 }
 
 _SERVER_KEYS = {"bind_address", "port", "shm_dir", "instance_name", "max_workers", "tables"}
@@ -87,6 +88,7 @@ class DaemonSettings:
     logging: Any = None
     data_planes: Any = None
     limits: Any = None
+    ingest: Any = None
     source: str | None = None  # the file it came from, for log lines
     extra: dict[str, Any] = field(default_factory=dict)  # operations sections whose module is absent
 

@@ -84,6 +84,7 @@ class Daemon:
         self.store: SegmentStore | None = None
         self.tables: dict[str, Any] = {}
         self.service: ReplayService | None = None
+        self.ingest: Any = None  # gear_server.ingest.hook.Ingest: insert plane and ingest workers
         self.server: aio.Server | None = None
         self.port: int | None = None
         self.limits: LimitSettings = settings.limits or LimitSettings()
@@ -133,6 +134,13 @@ class Daemon:
         log.info("%s", manager.report.line())
         return manager
 
+    def build_ingest(self) -> Any:
+        """The insert plane and the ingest workers ([ingest] section)."""
+        from gear_server.ingest.hook import Ingest, socket_path
+
+        return Ingest(self.settings.ingest, self.tables, self.host_id, self.calls, socket_path=socket_path(self.store),
+                      auth=self.settings.auth, metrics=self.ops.metrics)
+
     def server_options(self) -> list[tuple[str, Any]]:
         return list(GRPC_OPTIONS)
 
@@ -143,6 +151,7 @@ class Daemon:
         """The grpc.aio server with the replay service (and any extra services) registered; on the loop."""
         server = aio.server(options=self.server_options(), interceptors=self.interceptors())
         self.service.add_to_server(server)
+        self.ingest.add_to_server(server)
         self.ops.add_services(server)
         return server
 
@@ -178,10 +187,15 @@ class Daemon:
             self.tables = self.build_tables()
             self.calls = TableCalls(self.settings.max_workers)
             self.service = self.build_service()
+            self.ingest = self.build_ingest()
             self.loop = LoopThread("gear-serve")
             self.port = self.loop.run(self._serve())
+            self.ingest.start(self.config.bind_address or "[::]")
+            self.service.ingest_ports = self.ingest.advertised_ports
         except BaseException:
             self._shutdown_data_planes()  # its lease reaper thread is running
+            if self.ingest is not None:
+                self.ingest.stop()
             self._stop_server(0)
             self._close_tables()
             self._release()
@@ -214,6 +228,8 @@ class Daemon:
             done = self.loop.submit(self.server.stop(grace))
         if done is not None and self.ops.checkpointer is not None:
             _wait(done, grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
+        if self.ingest is not None:
+            self.ingest.stop()  # workers end, reserved slots go back before the final checkpoint
         self.ops.final_checkpoint()
         self._close_tables()  # calls still waiting on a table end (TableClosedError)
         if done is not None:

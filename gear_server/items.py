@@ -210,14 +210,31 @@ class ItemToInsert:
         return self._prepared
 
 
+@dataclass
+class ReservedItem:
+    """An item an insert-plane writer wrote into a reserved slot (the table commits it)."""
+
+    key: int
+    priority: float
+    slot: int
+    lengths: list[int]  # steps written, per column (squeezed columns: 1)
+    episode_ids: tuple[int, ...] = ()
+
+
+def check_key(key: object) -> int:
+    """An item key as int: a uint64 (BadRequest otherwise)."""
+    try:
+        value = int(key)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"item key {key!r} is not an integer") from e
+    if not 0 <= value < 2**64:
+        raise BadRequest(f"item key {key} is not a uint64")
+    return value
+
+
 def prepare_item(item: ItemToInsert) -> PreparedItem:
     """Every check an item needs that does not depend on a table; normalises columns to [t, *shape] pieces."""
-    try:
-        key = int(item.key)
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"item key {item.key!r} is not an integer") from e
-    if not 0 <= key < 2**64:
-        raise BadRequest(f"item key {item.key} is not a uint64")
+    key = check_key(item.key)
     priority = check_priority(item.priority, f"priority of item {key}")
     columns = item.columns
     squeeze = item.squeeze

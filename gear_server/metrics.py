@@ -228,8 +228,12 @@ class ServerMetrics:
         nbytes = 0
         for column in columns:
             nbytes += column.nbytes if hasattr(column, "nbytes") else sum(part.nbytes for part in column)
+        self.items_inserted(table, 1, nbytes)
+
+    def items_inserted(self, table: str, items: int, nbytes: int) -> None:
+        """Items in, with their bytes (the insert plane counts a commit's items at once)."""
         series = self._per_table.get(table) or self._series(table)
-        series.inserts.inc()
+        series.inserts.inc(items)
         series.bytes_in.inc(nbytes)
 
     def sample_served(self, table: str, items: int, nbytes: int, select_s: float, transfer_s: float) -> None:

@@ -139,6 +139,8 @@ class ReplayService:
         self.data_planes = data_planes
         self.buffers = ByteBudget(limits or LimitSettings())
         self.refusals = RefusalLog(log)
+        # The ingest workers' ports, as ServerInfo lists them (set by the daemon once they serve).
+        self.ingest_ports: Callable[[], list[int]] = list
 
     # -------------------------------------------------------------- inserts
     async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
@@ -264,7 +266,8 @@ class ReplayService:
     async def ServerInfo(self, request: pb.ServerInfoRequest,  # noqa: N802
                          context: aio.ServicerContext) -> pb.ServerInfoResponse:
         infos = await self.calls.run(lambda: [t.info() for t in list(self.tables.values())])
-        return pb.ServerInfoResponse(table_info=infos, version=self.version, host_id=self.host_id)
+        return pb.ServerInfoResponse(table_info=infos, version=self.version, host_id=self.host_id,
+                                     ingest_ports=self.ingest_ports())
 
     async def CheckRateLimiter(self, request: pb.RateLimiterCheckRequest,  # noqa: N802
                                context: aio.ServicerContext) -> pb.RateLimiterCheckResponse:

@@ -1,11 +1,13 @@
-"""Which slot holds which item: per-slot metadata arrays, free slots, leases, episodes.
+"""Which slot holds which item: per-slot metadata arrays, free slots, leases, reservations, episodes.
 
 A table's items live in numbered slots (the same numbers index the segment's
 columns and the selectors). ``SlotBook`` keeps the bookkeeping around them: the
 metadata arrays the selection kernels read, the stack of free slots, the map
 from key to slot, the leases readers hold, and which episodes each item
 references. A deleted item's slot is not reused while a lease holds it (a
-"zombie" until its last lease ends). The caller (the table) holds its lock.
+"zombie" until its last lease ends). Slots reserved by insert-plane writers
+(filled in shared memory, then committed) are neither free nor valid until
+their commit. The caller (the table) holds its lock.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class SlotBook:
         self.episode_refs: dict[int, int] = {}
         self.num_deleted_episodes = 0
         self.leases: dict[int, np.ndarray] = {}
+        self.reserved: set[int] = set()  # taken by insert-plane writers, not committed yet
         self._lease_ids = itertools.count(1)
 
     @property
@@ -75,8 +78,8 @@ class SlotBook:
         return len(self.key_to_slot)
 
     def idle(self) -> bool:
-        """No item, no lease and no leased deleted slot: the table's storage may be rebuilt from scratch."""
-        return not self.key_to_slot and not self.leases and not self.zombies
+        """No item, lease, leased deleted slot or reservation: the table's storage may be rebuilt from scratch."""
+        return not self.key_to_slot and not self.leases and not self.zombies and not self.reserved
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` slots; the new ones are free (taken after the current free ones)."""
@@ -101,6 +104,19 @@ class SlotBook:
     def give_back(self, slot: int) -> None:
         """Return a slot taken for an insert that did not happen."""
         self.free.append(slot)
+
+    def reserve(self) -> int:
+        """A free slot for an insert-plane writer to fill (``take``, remembered as reserved)."""
+        slot = self.take()
+        self.reserved.add(slot)
+        return slot
+
+    def unreserve(self, slot: int) -> bool:
+        """Forget a reservation (committed, or given back by the caller); False if it was not reserved."""
+        if slot not in self.reserved:
+            return False
+        self.reserved.discard(slot)
+        return True
 
     def occupy(self, slot: int, prep: PreparedItem, seq: int, lengths: list[int] | int) -> None:
         """Record ``prep`` as the item in ``slot``, with ``lengths`` per column in ``meta.length``."""
@@ -157,9 +173,10 @@ class SlotBook:
         return slots[np.argsort(m.insert_seq[slots], kind="stable")]
 
     def rows_in_use(self) -> int:
-        """One past the highest slot whose bytes matter (an item, or a lease on a deleted one)."""
+        """One past the highest slot whose bytes matter (an item, a lease on a deleted one, a reservation)."""
         used = np.flatnonzero(self.meta.valid | (self.meta.leases > 0))
-        return int(used[-1]) + 1 if len(used) else 0
+        last = int(used[-1]) + 1 if len(used) else 0
+        return max(last, max(self.reserved) + 1) if self.reserved else last  # writers fill reserved ones
 
     def free_stack(self) -> list[int]:
         """Every slot a new item may take, bottom of the stack first (leased deleted slots below the rest)."""

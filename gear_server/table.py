@@ -45,10 +45,11 @@ import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
-from gear_server import table_insert, table_sample
+from gear_server import table_insert, table_reserve, table_sample
 from gear_server.item_groups import ItemGroup
 from gear_server.items import (
     ItemToInsert,
+    ReservedItem,
     count_leaves,
     leaf_paths,
     priority_updates,
@@ -171,6 +172,22 @@ class Table:
         leaves the table unchanged.
         """
         table_insert.insert(self._state, item, timeout, abandoned)
+
+    # ------------------------------------------------------------------ insert plane (table_reserve)
+    def reserve(self, count: int) -> tuple[list[int], TableLayout | None]:
+        """Take up to ``count`` free slots for an insert-plane writer to fill in the segment (growing
+        capacity if needed); no slots and None while the table has no layout yet."""
+        return table_reserve.reserve(self._state, count)
+
+    def unreserve(self, slots: Iterable[int]) -> None:
+        """Give back reserved slots that will not be committed (unknown ones are ignored)."""
+        table_reserve.unreserve(self._state, slots)
+
+    def commit_reserved(self, layout_version: int, item: ReservedItem, timeout: float | None = None,
+                        abandoned: Abandoned = None) -> None:
+        """Insert an item written into a reserved slot, as ``insert`` would; LayoutMoved (it stays
+        reserved) when the table left ``layout_version``."""
+        table_reserve.commit(self._state, layout_version, item, timeout, abandoned)
 
     # ------------------------------------------------------------------ sample / read / release (table_sample)
     def sample(self, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,

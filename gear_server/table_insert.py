@@ -80,7 +80,7 @@ def insert(st: TableCore, item: ItemToInsert, timeout: float | None = None, aban
         with st.lock:
             st.copy_done()
             committed = True
-            _commit(st, slot, prep, side)
+            publish(st, slot, prep, side)
     except BaseException:
         with st.lock:
             if not committed:
@@ -90,7 +90,7 @@ def insert(st: TableCore, item: ItemToInsert, timeout: float | None = None, aban
         raise
 
 
-def _commit(st: TableCore, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
+def publish(st: TableCore, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
     """Publish a copied item (lock held); insert-when-full then removes one through the remover."""
     t0 = time.perf_counter()
     if st.closed:

@@ -372,14 +372,16 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("table_info", "version", "host_id")
+    __slots__ = ("table_info", "version", "host_id", "ingest_ports")
     TABLE_INFO_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INGEST_PORTS_FIELD_NUMBER: _ClassVar[int]
     table_info: _containers.RepeatedCompositeFieldContainer[TableInfo]
     version: str
     host_id: str
-    def __init__(self, table_info: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., version: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    ingest_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table_info: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., version: _Optional[str] = ..., host_id: _Optional[str] = ..., ingest_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
@@ -590,3 +592,109 @@ class CloseDataPlaneRequest(_message.Message):
 class CloseDataPlaneResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class InsertPlaneOpen(_message.Message):
+    __slots__ = ("host_id", "pid")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    pid: int
+    def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class InsertPlaneOpened(_message.Message):
+    __slots__ = ("reservation_timeout_ms", "max_reservations")
+    RESERVATION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    reservation_timeout_ms: int
+    max_reservations: int
+    def __init__(self, reservation_timeout_ms: _Optional[int] = ..., max_reservations: _Optional[int] = ...) -> None: ...
+
+class ReserveSlots(_message.Message):
+    __slots__ = ("table", "count")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    count: int
+    def __init__(self, table: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class SlotsReserved(_message.Message):
+    __slots__ = ("table", "slots", "layout_version", "layout")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    layout_version: int
+    layout: TableLayout
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., layout_version: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ...) -> None: ...
+
+class CommitItem(_message.Message):
+    __slots__ = ("key", "priority", "slot", "lengths", "episode_ids")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    priority: float
+    slot: int
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    episode_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[int] = ..., priority: _Optional[float] = ..., slot: _Optional[int] = ..., lengths: _Optional[_Iterable[int]] = ..., episode_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitSlots(_message.Message):
+    __slots__ = ("table", "layout_version", "items")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    layout_version: int
+    items: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, table: _Optional[str] = ..., layout_version: _Optional[int] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+
+class SlotsCommitted(_message.Message):
+    __slots__ = ("table", "keys", "layout")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    layout: TableLayout
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ...) -> None: ...
+
+class CancelSlots(_message.Message):
+    __slots__ = ("table", "slots")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InsertPlaneRequest(_message.Message):
+    __slots__ = ("request_id", "open", "reserve", "commit", "cancel")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    open: InsertPlaneOpen
+    reserve: ReserveSlots
+    commit: CommitSlots
+    cancel: CancelSlots
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[InsertPlaneOpen, _Mapping]] = ..., reserve: _Optional[_Union[ReserveSlots, _Mapping]] = ..., commit: _Optional[_Union[CommitSlots, _Mapping]] = ..., cancel: _Optional[_Union[CancelSlots, _Mapping]] = ...) -> None: ...
+
+class InsertPlaneResponse(_message.Message):
+    __slots__ = ("request_id", "opened", "reserved", "committed", "cancelled")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    opened: InsertPlaneOpened
+    reserved: SlotsReserved
+    committed: SlotsCommitted
+    cancelled: bool
+    def __init__(self, request_id: _Optional[int] = ..., opened: _Optional[_Union[InsertPlaneOpened, _Mapping]] = ..., reserved: _Optional[_Union[SlotsReserved, _Mapping]] = ..., committed: _Optional[_Union[SlotsCommitted, _Mapping]] = ..., cancelled: _Optional[bool] = ...) -> None: ...

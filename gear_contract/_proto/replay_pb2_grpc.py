@@ -91,6 +91,11 @@ class ReplayServiceStub:
                 request_serializer=gear_dot_v1_dot_replay__pb2.CloseDataPlaneRequest.SerializeToString,
                 response_deserializer=gear_dot_v1_dot_replay__pb2.CloseDataPlaneResponse.FromString,
                 _registered_method=True)
+        self.InsertPlane = channel.stream_stream(
+                '/gear.v1.ReplayService/InsertPlane',
+                request_serializer=gear_dot_v1_dot_replay__pb2.InsertPlaneRequest.SerializeToString,
+                response_deserializer=gear_dot_v1_dot_replay__pb2.InsertPlaneResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -165,6 +170,13 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InsertPlane(self, request_iterator, context):
+        """Same-host writers: reserve slots, write them in shared memory, commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +234,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.CloseDataPlane,
                     request_deserializer=gear_dot_v1_dot_replay__pb2.CloseDataPlaneRequest.FromString,
                     response_serializer=gear_dot_v1_dot_replay__pb2.CloseDataPlaneResponse.SerializeToString,
+            ),
+            'InsertPlane': grpc.stream_stream_rpc_method_handler(
+                    servicer.InsertPlane,
+                    request_deserializer=gear_dot_v1_dot_replay__pb2.InsertPlaneRequest.FromString,
+                    response_serializer=gear_dot_v1_dot_replay__pb2.InsertPlaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -523,6 +540,33 @@ class ReplayService:
             '/gear.v1.ReplayService/CloseDataPlane',
             gear_dot_v1_dot_replay__pb2.CloseDataPlaneRequest.SerializeToString,
             gear_dot_v1_dot_replay__pb2.CloseDataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InsertPlane(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gear.v1.ReplayService/InsertPlane',
+            gear_dot_v1_dot_replay__pb2.InsertPlaneRequest.SerializeToString,
+            gear_dot_v1_dot_replay__pb2.InsertPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,
