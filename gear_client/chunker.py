@@ -45,6 +45,10 @@ class Chunker:
         self._counter = itertools.count(1)
         self.pending_release: list[int] = []
 
+    def new_key(self) -> int:
+        """A chunk key not used before by this writer."""
+        return next(self._counter)
+
     def item_columns(self, flat: Sequence[TrajectoryColumn], new_chunks: list[NewChunk]) -> list[ItemColumnSlices]:
         """Per trajectory column, its merged slices and squeeze flag; appends the chunks still to send."""
         out = []
@@ -108,7 +112,7 @@ class Chunker:
         while pos < stop:
             episode_id, next_episode = col.episode_of(pos)
             end = min(stop, pos + max_rows, next_episode)
-            key = next(self._counter)
+            key = self.new_key()
             rows = col.rows_array(pos, end)
             data = memoryview(rows.reshape(-1).view(np.uint8))  # any dtype, no copy (rows are contiguous)
             head = encode_chunk_head(key, col.dtype_wire, rows.shape, data.nbytes, episode_id,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -30,7 +31,7 @@ from gear_client.errors import ReverbError
 from gear_client.trajectory_column import TrajectoryColumn
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.channel import CHANNEL_OPTIONS
-from gear_contract.insert_plane import InsertPlaneUnavailable, SlotWriter
+from gear_contract.insert_plane import InsertPlaneUnavailable, OpenTimedOut, SegmentGone, SlotWriter, UncommittedItem
 from gear_contract.negotiation import local_host_id
 
 log = logging.getLogger(__name__)
@@ -59,19 +60,20 @@ def _is_client(client: Any) -> bool:
     return isinstance(client, DaemonClient)
 
 
-def open_slot_writer(client: Any) -> SlotWriter | None:
-    """A SlotWriter for this client's daemon when it runs on this host and allows it, else None."""
+def open_slot_writer(client: Any, timeout: float | None = None) -> SlotWriter | None:
+    """A SlotWriter for this client's daemon when it runs on this host and allows it; None when the plane
+    does not apply (another host, turned off, no access to the segments). Raises (ReverbError, RpcError)
+    when the daemon does not answer within ``timeout`` (None: the client's connect timeout)."""
     if not _enabled(ENV_INSERT_PLANE) or not _is_client(client):
         return None
-    try:
-        info = client._fetch_server_info(timeout=None)
-    except ReverbError:
-        return None
+    info = client._fetch_server_info(timeout=timeout)
     if not info.host_id or info.host_id != local_host_id():
         return None
     channel, _, _ = client._connect()
     try:
-        return SlotWriter(channel)
+        return SlotWriter(channel, open_timeout=30.0 if timeout is None else timeout)
+    except (SegmentGone, OpenTimedOut):
+        raise
     except InsertPlaneUnavailable as e:
         log.info("insert plane unavailable, inserting over InsertStream: %s", e)
         return None
@@ -145,23 +147,53 @@ class ItemRows(NamedTuple):
 
 
 class SameHostRoute:
-    """A writer's insert-plane path (opened on first use; ``send`` says whether it took the item)."""
+    """A writer's insert-plane path (opened on first use; ``prepare`` says whether it takes an item).
+
+    When the plane's stream fails for a transient reason (the daemon went away), ``take_uncommitted``
+    hands the items it had not committed to the writer's InsertStream, which reconnects and resends;
+    the plane is tried again ``RETRY_S`` later.
+    """
+
+    RETRY_S = 5.0
 
     def __init__(self, client: Any):
         self._client = client
         self._writer: SlotWriter | None = None
-        self._tried = False
+        self._disabled = False  # not applicable (another host, no access): InsertStream for good
+        self._retry_at = 0.0
+        self._opened_once = False
 
     @property
     def writer(self) -> SlotWriter | None:
-        if not self._tried:
-            self._tried = True
-            self._writer = open_slot_writer(self._client)
+        if self._writer is None and not self._disabled and time.monotonic() >= self._retry_at:
+            try:
+                writer = open_slot_writer(self._client, timeout=None if not self._opened_once else 1.0)
+            except (ReverbError, grpc.RpcError, InsertPlaneUnavailable) as e:
+                log.info("insert plane not open (%s): InsertStream for %.0f s", e, self.RETRY_S)
+                self._retry_at = time.monotonic() + self.RETRY_S
+                return None
+            self._disabled = writer is None
+            self._opened_once = True
+            self._writer = writer
         return self._writer
 
     @property
     def in_flight(self) -> int:
         return self._writer.in_flight if self._writer is not None else 0
+
+    def take_uncommitted(self, error: BaseException) -> list[UncommittedItem]:
+        """Close a failed plane and return its uncommitted items (to be sent over InsertStream). The plane
+        is tried again later, unless it cannot work here (a segment this process cannot open)."""
+        writer, self._writer = self._writer, None
+        self._retry_at = time.monotonic() + self.RETRY_S
+        if isinstance(error, InsertPlaneUnavailable) and not isinstance(error, SegmentGone):
+            log.info("insert plane unavailable, inserting over InsertStream: %s", error)
+            self._disabled = True
+        if writer is None:
+            return []
+        items = writer.uncommitted()
+        writer.abort()
+        return items
 
     def prepare(self, table: str, structure: bytes, flat: Sequence[TrajectoryColumn]) -> ItemRows | None:
         """The item's rows when it fits the table's layout on this path (None: send it over InsertStream)."""
@@ -169,13 +201,7 @@ class SameHostRoute:
         if writer is None:
             return None
         rows = ItemRows(*item_rows(flat))
-        try:
-            return rows if writer.fits(table, rows.specs, rows.lengths, structure) else None
-        except InsertPlaneUnavailable as e:  # e.g. the segment cannot be opened for writing: InsertStream
-            log.info("insert plane unavailable, inserting over InsertStream: %s", e)
-            self._writer = None
-            writer.abort()
-            return None
+        return rows if writer.fits(table, rows.specs, rows.lengths, structure) else None
 
     def write(self, table: str, key: int, priority: float, rows: ItemRows, max_in_flight: int,
               max_in_flight_bytes: int) -> None:
@@ -189,12 +215,6 @@ class SameHostRoute:
     @property
     def error(self) -> BaseException | None:
         return self._writer.error if self._writer is not None else None
-
-    def reset(self) -> None:
-        """Forget a failed stream (the next item opens a new one)."""
-        writer, self._writer, self._tried = self._writer, None, False
-        if writer is not None:
-            writer.abort()
 
     def close(self, wait: bool = True) -> None:
         writer, self._writer = self._writer, None

@@ -15,6 +15,7 @@ fresh stream and resends whatever data later items need.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -42,7 +43,9 @@ from gear_client.trajectory_column import DataReference, StepCount, TrajectoryCo
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.specs import shape_compatible, signature_specs
-from gear_contract.wire import encode_insert_item
+from gear_contract.wire import encode_chunk_head, encode_insert_item, mark_resend
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "DataReference"]
 
@@ -348,24 +351,45 @@ class TrajectoryWriter:
                 stream.wait(0, 1 << 62, None)
                 self._raise_stream_error("create_item")
             self._same_host.write(table, key, priority, rows, self._max_in_flight, self._max_in_flight_bytes)
-        except grpc.RpcError as e:
-            self._same_host.reset()
-            raise from_rpc_error(e, "create_item") from e
-        except RuntimeError as e:
-            if isinstance(e, ReverbError):
-                raise
-            self._same_host.reset()
-            raise ServiceError(f"create_item: the insert plane failed: {e}") from e
+        except ReverbError:
+            raise
+        except (grpc.RpcError, RuntimeError) as e:
+            self._plane_failed(e, "create_item")
+            return False
         return True
 
     def _raise_same_host_error(self, operation: str) -> None:
         error = self._same_host.error
-        if error is None:
-            return
-        self._same_host.reset()
-        if isinstance(error, grpc.RpcError):
+        if error is not None:
+            self._plane_failed(error, operation)
+
+    def _plane_failed(self, error: BaseException, operation: str) -> None:
+        """The insert plane's stream failed. Transient (the daemon went away or is stopping): its
+        uncommitted items go over InsertStream, marked as resent (a key already in the table stays as
+        it is), which reconnects and resends them. Otherwise the error is raised (items lost, as a
+        failed InsertStream loses them)."""
+        items = self._same_host.take_uncommitted(error)
+        if isinstance(error, grpc.RpcError) and error.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                      grpc.StatusCode.CANCELLED):
             raise from_rpc_error(error, operation) from error
-        raise ServiceError(f"{operation}: the insert plane failed: {error}") from error
+        if not items:
+            return
+        log.warning("insert plane to %s lost (%s): %d items it had not committed go over InsertStream",
+                    self._client.server_address, error, len(items))
+        stream = self._ready_stream(operation)
+        for item in items:
+            chunks: list[NewChunk] = []
+            columns = []
+            episode = item.episode_ids[0] if item.episode_ids else 0
+            for rows, squeeze in zip(item.columns, item.squeeze, strict=True):
+                chunk_key = self._chunker.new_key()
+                data = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
+                head = encode_chunk_head(chunk_key, rows.dtype.str.encode(), rows.shape, data.nbytes, episode, 0)
+                chunks.append(NewChunk(chunk_key, head, data))
+                columns.append(([(chunk_key, 0, rows.shape[0])], squeeze))
+            encoded = mark_resend(encode_insert_item(item.key, item.table.encode(), item.priority, item.structure,
+                                                     columns))
+            stream.send_item(chunks, item.key, encoded, [c.key for c in chunks])
 
     # ------------------------------------------------------------ stream --
     def _ready_stream(self, operation: str) -> InsertStream:

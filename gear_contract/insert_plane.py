@@ -56,6 +56,10 @@ class InsertPlaneUnavailable(RuntimeError):
     """This writer cannot use the insert plane (another host, no access to the segment, old daemon)."""
 
 
+class OpenTimedOut(InsertPlaneUnavailable):
+    """The daemon did not answer the stream's open in time."""
+
+
 class SegmentGone(InsertPlaneUnavailable):
     """The segment of a layout no longer exists: the table moved to a newer one."""
 
@@ -113,6 +117,19 @@ class _Table:
 
 
 @dataclass
+class UncommittedItem:
+    """An item written into a slot whose commit did not come back (read back from the writer's mapping)."""
+
+    table: str
+    key: int
+    priority: float
+    columns: list[np.ndarray]  # per column [length, *shape] (squeezed: one step)
+    squeeze: list[bool]
+    structure: bytes  # the layout's serialized Structure
+    episode_ids: list[int]
+
+
+@dataclass
 class _Commit:
     table: str
     version: int
@@ -155,7 +172,7 @@ class SlotWriter:
                 raise InsertPlaneUnavailable(error.details() or str(error.code())) from error
             if error is not None:
                 raise error
-            raise InsertPlaneUnavailable(f"the daemon did not open the insert plane within {open_timeout} s")
+            raise OpenTimedOut(f"the daemon did not open the insert plane within {open_timeout} s")
 
     # ------------------------------------------------------------------ stream plumbing
     def _requests(self) -> Iterator[pb.InsertPlaneRequest]:
@@ -369,6 +386,24 @@ class SlotWriter:
     @property
     def in_flight(self) -> int:
         return len(self.pending)
+
+    def uncommitted(self) -> list[UncommittedItem]:
+        """The items written whose commits were not acknowledged, oldest first, their rows copied out of
+        the mappings (a stream that failed leaves them to be sent another way; keys are idempotent)."""
+        with self._cond:
+            batches = ([self._commit_in_flight] if self._commit_in_flight is not None else []) + list(self._commits)
+            out = []
+            for batch in batches:
+                mapping = self._tables[batch.table].mappings[batch.version]
+                columns = mapping.layout.columns
+                structure = mapping.layout.structure.SerializeToString()
+                for item in batch.items:
+                    if item.key not in self.pending:
+                        continue
+                    rows = [np.array(view[item.slot, :n]) for view, n in zip(mapping.views, item.lengths, strict=True)]
+                    out.append(UncommittedItem(batch.table, item.key, item.priority, rows, [c.squeeze for c in columns],
+                                               structure, list(item.episode_ids)))
+            return out
 
     def wait(self, max_items: int, max_bytes: int = 1 << 62, deadline: float | None = None) -> bool:
         """Block until at most max_items (and max_bytes) are uncommitted; False on timeout.

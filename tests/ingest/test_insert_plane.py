@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
+import gear_client as reverb
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.insert_plane import INSERT_PLANE_METHOD, SlotWriter
@@ -30,6 +31,7 @@ from gear_server.daemon import Daemon
 from gear_server.ingest.settings import IngestSettings
 from gear_server.layout_fitting import regrow
 from tests.data_planes._support import STRUCTURE, insert, item_ok, make_item, table_config
+from tests.ops._support import free_port
 from tests.ops.test_metrics import parse, value
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +41,8 @@ ACTOR = """
 import json, sys
 import numpy as np
 import gear_client as reverb
+import gear_client as reverb
+from tests.ops._support import free_port
 from tests.ops.test_metrics import parse, value
 from tests.data_planes._support import make_item
 address, first, count, length, dim = sys.argv[1], *map(int, sys.argv[2:6])
@@ -75,8 +79,8 @@ time.sleep(120)
 """
 
 
-def start(*tables: pb.TableConfig, **ingest) -> Daemon:
-    config = pb.ServerConfig(port=0, bind_address="localhost", instance_name=f"iptest{os.getpid()}x{next(_instances)}",
+def start(*tables: pb.TableConfig, port: int = 0, **ingest) -> Daemon:
+    config = pb.ServerConfig(port=port, bind_address="localhost", instance_name=f"iptest{os.getpid()}x{next(_instances)}",
                              tables=list(tables))
     settings = DaemonSettings.from_server_config(config)
     settings.ingest = IngestSettings(**ingest)
@@ -330,3 +334,41 @@ def test_bad_insert_plane_requests_get_clear_statuses_and_the_daemon_goes_on():
         assert d.tables["t"].size() == 1 and slots_accounted(d.tables["t"])
     finally:
         d.stop()
+
+
+def test_items_a_stopped_daemon_did_not_commit_reach_its_successor_over_insert_stream():
+    """The daemon stops while commits wait on its rate limiter: the writer sends those items (read back
+    from its mapping of the segment) over InsertStream, which reconnects to the daemon restarted on the
+    same port; nothing is lost, nothing twice."""
+    port = free_port()
+    limiter = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=-1e12, max_diff=2.0)
+    first = start(pb.TableConfig(name="t", max_size=64, sampler=pb.SelectorOptions(fifo=True),
+                                 remover=pb.SelectorOptions(fifo=True), rate_limiter=limiter), port=port)
+    second = None
+    client = reverb.Client(f"localhost:{port}")
+    writer = client.trajectory_writer(4, reconnect_timeout_s=30)
+    try:
+        for seed in range(1, 6):
+            item = make_item(seed, 4, 4)
+            for t in range(4):
+                writer.append({k: v[t] for k, v in item.items()})
+            writer.create_item("t", 1.0, {k: writer.history[k][-4:] for k in ("action", "obs", "reward")})
+            if seed == 1:
+                writer.flush()  # the first item fixes the table's layout (over InsertStream)
+        deadline = time.monotonic() + 10
+        while (first.tables["t"].size() < 2 or writer._same_host.in_flight > 3) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.tables["t"].size() == 2 and writer._same_host.in_flight == 3  # held by the rate limiter
+        first.stop()
+        second = start(table_config("t", 64), port=port)
+        writer.flush(timeout_ms=30_000)
+        items = items_in_insert_order(second.tables["t"])
+        assert [int(i["action"][0]) for i in items] == [3, 4, 5]
+        for item in items:
+            want = make_item(int(item["action"][0]), 4, 4)
+            assert all(np.array_equal(item[k], want[k]) for k in want)
+    finally:
+        writer.close()
+        first.stop()
+        if second is not None:
+            second.stop()
