@@ -22,27 +22,35 @@ from __future__ import annotations
 import atexit
 import enum
 import logging
-import sys
 import threading
-import time
 import weakref
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from gear_client import errors
-from gear_client.connection import DaemonChannel
-from gear_client.data_planes.batch import Pending, SampledBatch
+from gear_client.data_planes.batch import SampledBatch
+from gear_client.data_planes.opening import PlaneOpener
+from gear_client.data_planes.pipeline import (
+    PIPELINE_DEPTH,
+    PIPELINE_PREFETCH,
+    LayoutStep,
+    PipelineState,
+    drain,
+    gathers_in_flight,
+    select_width,
+)
 from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
 from gear_client.data_planes.range_planning import WindowSpec
-from gear_client.data_planes.session import ItemSelection, PendingSelect, PlaneSession
+from gear_client.data_planes.session import ItemSelection, PlaneSession
+from gear_client.data_planes.targets import connect
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
-from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.layout import TableLayout
+
+__all__ = ["MAX_OUTGROWN_LAYOUTS", "MAX_STALE_RETRIES", "LayoutStep", "PipelineState", "PlaneSampler",
+           "SamplerClosedError", "StaleBatchError", "gathers_in_flight", "select_width"]
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +59,6 @@ MAX_REOPENS = 8  # re-negotiations for one batch before giving up
 # Layouts in a row whose segment was gone (the table grew again) before the plane fell back: a
 # segment that never shows up (another /dev/shm behind one host identity) is not a growth race.
 MAX_OUTGROWN_LAYOUTS = 8
-# Pipelined batches(): gathers running before the oldest is waited for, and Selects sent ahead.
-PIPELINE_DEPTH = 3
-PIPELINE_PREFETCH = 2
-# Items one pipelined Select asks for at most when it asks for several batches (batches_per_select
-# None): enough that a batch of 32 items is not bound by the Select round trip (4 batches per round
-# trip and two Selects in flight), few enough that the slots leased at once stay well inside a
-# table's spare slots and one gather's buffer stays small (measured on the 2-core machine: 256 items
-# of 256 KiB per Select gathered slower than 128).
-ITEMS_PER_SELECT = 128
-MAX_BATCHES_PER_SELECT = 8
-MAX_SELECT_ITEMS = 1 << 20  # the daemon's cap on one Select
-DRAIN_WAIT_S = 1.0  # how long closing a pipeline waits for its Selects in flight before cancelling them
 
 
 class Retry(enum.Enum):
@@ -71,14 +67,6 @@ class Retry(enum.Enum):
     STALE = "stale"  # the lease came back stale: the bytes cannot be trusted
     REOPENED = "reopened"  # the session or the plane was re-negotiated
     OUTGROWN = "outgrown"  # the layout's segment was gone before it was mapped: a later answer brings the newer
-
-
-class LayoutStep(enum.Enum):
-    """What the pipeline does with a Select answer after following the table's layout."""
-
-    GATHER = "gather"  # the plane reads the segment the answer addresses
-    DROP = "drop"  # release it unread (selected before a growth, or its segment is gone)
-    RECOVER = "recover"  # leave the pipeline: sample()'s recovery re-opens
 
 
 _open_samplers: weakref.WeakSet[PlaneSampler] = weakref.WeakSet()
@@ -108,97 +96,6 @@ class SamplerClosedError(RuntimeError):
     """The sampler was closed (possibly while a sample waited)."""
 
 
-def connect(target: Any) -> tuple[Any, Any, Any, DaemonChannel | None]:
-    """(stub, raw sample call or None, owned channel or None, daemon channel or None) for a Client, a
-    channel, a stub or an address. With a daemon channel, calls wait for the daemon at most its connect
-    timeout (gear_client.connection); otherwise they wait for it forever."""
-    if hasattr(target, "_connect"):  # gear_client.Client
-        _, stub, sample_call = target._connect()
-        return stub, sample_call, None, target._daemon_channel()
-    if isinstance(target, str):
-        from gear_client.auth import ChannelSecurity
-        from gear_client.connection import connect_timeout_option
-
-        # An address alone: token, TLS and connect timeout come from the GEAR_* environment.
-        daemon = DaemonChannel(target, ChannelSecurity.build(), connect_timeout_option(None))
-        return daemon.stub, daemon.sample_call, daemon, daemon
-    if isinstance(target, grpc.Channel):
-        return pb_grpc.ReplayServiceStub(target), _raw_sample_call(target), None, None
-    return target, None, None, None  # a stub
-
-
-def _raw_sample_call(channel: grpc.Channel):
-    return channel.unary_stream("/gear.v1.ReplayService/Sample",
-                                request_serializer=pb.SampleRequest.SerializeToString, response_deserializer=None)
-
-
-def select_width(batch_size: int, asked: int | None = None) -> int:
-    """Batches one pipelined Select asks for: ``asked``, or as many as fit ITEMS_PER_SELECT (at most 8)."""
-    if asked is not None:
-        if asked < 1:
-            raise ValueError(f"batches_per_select must be >= 1, got {asked}")
-        return max(1, min(int(asked), MAX_SELECT_ITEMS // batch_size))
-    return max(1, min(MAX_BATCHES_PER_SELECT, ITEMS_PER_SELECT // batch_size))
-
-
-def gathers_in_flight(depth: int, per_select: int) -> int:
-    """Gathers a pipeline keeps running for ``depth`` batches when each gather reads ``per_select`` of them.
-
-    One batch per Select: ``depth`` gathers. Several: enough gathers for
-    ``depth`` batches, but two at least, so that the next gather is queued (on a
-    GPU stream) while the learner takes the batches of the previous one.
-    """
-    depth = max(1, int(depth))
-    if per_select <= 1:
-        return depth
-    return max(2, -(-depth // per_select))
-
-
-@dataclass
-class PipelineState:
-    """A pipeline's work in flight, oldest first (see PlaneSampler._pipeline).
-
-    ``selects``: Selects sent; ``gathering``: (lease, gather) per Select answer
-    being gathered (one gather reads all the batches a Select asked for);
-    ``verdicts``: per gathered lease, its items, waiting for the verdict of the
-    Select that ends the lease; ``to_release``: leases the next Select ends;
-    ``ready``: batches of ``batch_size`` items whose lease came back intact.
-    """
-
-    batch_size: int
-    selects: deque[PendingSelect] = field(default_factory=deque)
-    gathering: deque[tuple[int, Pending]] = field(default_factory=deque)
-    verdicts: dict[int, SampledBatch] = field(default_factory=dict)
-    to_release: list[int] = field(default_factory=list)
-    ready: deque[SampledBatch] = field(default_factory=deque)
-
-    def finish_oldest(self) -> None:
-        """Wait for the oldest gather; its lease may go once it ended (a failed one too)."""
-        lease, gather = self.gathering.popleft()
-        try:
-            self.verdicts[lease] = gather.wait()
-        finally:
-            self.to_release.append(lease)
-
-    def finish_all(self) -> None:
-        while self.gathering:
-            self.finish_oldest()
-
-    def judge(self, released: list[int], stale: set[int]) -> int:
-        """Take the verdicts on ``released`` leases: intact items become ready batches; returns the batches dropped."""
-        dropped = 0
-        for lease in released:
-            items = self.verdicts.pop(lease, None)
-            if items is None:
-                continue  # a selection dropped without gathering
-            batches = items.split(self.batch_size)
-            if lease in stale:
-                dropped += len(batches)
-            else:
-                self.ready.extend(batches)
-        return dropped
-
-
 class PlaneSampler:
     """Batches of one table over the best negotiated plane (see module docstring). Thread safe."""
 
@@ -206,16 +103,13 @@ class PlaneSampler:
                  num_qps: int | None = None, metadata=None, host_id: str | None = None,
                  max_stale_retries: int = MAX_STALE_RETRIES, rdma_connection=None):
         self.table = table
-        self.planes = negotiation.normalise_planes(planes)
-        self.device = device
-        self.rdma_device = rdma_device
-        self.num_qps = num_qps
         self.metadata = metadata
-        self.host_id = host_id or negotiation.local_host_id()
         self.max_stale_retries = max_stale_retries
-        # () -> a connected-to-be RDMA transport or None; default: the verbs device found by probing
-        self._rdma_connection_factory = rdma_connection or self._verbs_connection
         self._stub, self._sample_call, self._channel, self._daemon = connect(target)
+        self._opener = PlaneOpener(self._stub, table, planes=negotiation.normalise_planes(planes),
+                                   host_id=host_id or negotiation.local_host_id(), device=device,
+                                   rdma_device=rdma_device, num_qps=num_qps, metadata=metadata, daemon=self._daemon,
+                                   sample_call=self._sample_call, rdma_connection=rdma_connection)
         self._excluded: set[str] = set()
         self._lock = threading.RLock()
         self._reader: ReadingPlane | None = None  # shm or rdma, with self._session
@@ -232,6 +126,21 @@ class PlaneSampler:
         _open_samplers.add(self)
 
     # ----------------------------------------------------------------- opening
+    @property
+    def planes(self) -> tuple[str, ...]:
+        """The planes this sampler may use, best first."""
+        return self._opener.planes
+
+    @property
+    def host_id(self) -> str:
+        """The host identity offered for shm (same host, same memory)."""
+        return self._opener.host_id
+
+    @property
+    def device(self) -> Any:
+        """Where batches are gathered (None: host memory; a CuPy device: GPU)."""
+        return self._opener.device
+
     @property
     def _plane(self) -> Plane | None:
         return self._reader if self._reader is not None else self._inline
@@ -260,87 +169,11 @@ class PlaneSampler:
                 return info
         raise KeyError(f"the daemon has no table '{self.table}'")
 
-    def _allowed(self) -> list[str]:
-        allowed = [p for p in self.planes if p not in self._excluded]
-        if not allowed:
-            raise RuntimeError(f"no data plane left to try for table '{self.table}' (allowed: {list(self.planes)})")
-        return allowed
-
-    def _rdma_connection(self, allowed: list[str]):
-        if negotiation.RDMA not in allowed:
-            return None
-        return self._rdma_connection_factory()
-
-    def _verbs_connection(self):
-        from gear_contract import verbs
-
-        port = verbs.probe(self.rdma_device)
-        if port is None:
-            return None
-        from gear_client.data_planes.rdma import DEFAULT_NUM_QPS, VerbsConnection
-
-        try:
-            return VerbsConnection(port, num_qps=self.num_qps or DEFAULT_NUM_QPS)
-        except Exception as exc:  # noqa: BLE001 - a device that cannot give us queue pairs: no rdma
-            log.warning("RDMA device %s unusable, not offering rdma: %s", port.device, exc)
-            return None
-
     def _open(self) -> None:
-        """Negotiate a plane; falls back plane by plane until one comes up."""
-        while True:
-            allowed = self._allowed()
-            conn = self._rdma_connection(allowed)
-            offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None)
-            try:
-                if self._daemon is not None:
-                    self._daemon.wait_ready("sample")
-                response = self._stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=self.table, offer=offer),
-                                                    metadata=self.metadata, wait_for_ready=self._daemon is None)
-            except (grpc.RpcError, errors.ReverbError) as exc:
-                if conn is not None:
-                    conn.close()
-                if not isinstance(exc, grpc.RpcError):
-                    raise
-                connect_error = self._daemon.error_for(exc, "sample") if self._daemon is not None else None
-                raise (connect_error or errors.from_rpc_error(exc, "sample")) from exc
-            if response.kind != negotiation.RDMA and conn is not None:
-                conn.close()
-                conn = None
-            layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
-            if response.kind == negotiation.INLINE:
-                from gear_client.data_planes.inline import InlinePlane
-
-                self._inline = InlinePlane(self._stub, self.table, layout, sample_call=self._sample_call,
-                                           metadata=self.metadata)
-                self._session, self._layout = None, layout
-                return
-            session = PlaneSession(self._stub, self.table, response, metadata=self.metadata)
-            try:  # an empty table has no layout yet: the first Select brings it
-                self._reader = self._build(response, session, layout, conn)
-            except Exception as exc:  # noqa: BLE001 - the plane cannot come up here: next best
-                log.info("%s plane for table '%s' unusable (%s); falling back", response.kind, self.table, exc)
-                session.close()
-                if conn is not None:
-                    conn.close()
-                self._excluded.add(response.kind)
-                continue
-            self._session, self._layout = session, layout
-            return
-
-    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout | None,
-               conn) -> ReadingPlane:
-        if response.kind == negotiation.SHM:
-            from gear_client.data_planes.shm import ShmPlane
-
-            return ShmPlane(session, layout, device=self.device)
-        if response.kind == negotiation.RDMA:
-            from gear_client.data_planes.rdma import RdmaPlane
-
-            if conn is None or not response.HasField("rdma"):
-                raise RuntimeError("the daemon chose rdma without an endpoint")
-            conn.connect(response.rdma)
-            return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn)
-        raise RuntimeError(f"the daemon chose an unknown plane {response.kind!r}")
+        """Negotiate a plane (``PlaneOpener``: falls back plane by plane until one comes up)."""
+        opened = self._opener.open(self._excluded)
+        self._reader, self._inline, self._session, self._layout = (opened.reader, opened.inline, opened.session,
+                                                                   opened.layout)
 
     def _drop_plane(self) -> None:
         plane, session = self._plane, self._session
@@ -551,7 +384,7 @@ class PlaneSampler:
                 while state.ready:
                     yield state.ready.popleft()
         finally:
-            self._drain(session, state)
+            drain(session, state)
 
     def _follow_layout(self, selection: ItemSelection, state: PipelineState, plane: ReadingPlane) -> LayoutStep:
         """Map the segment a selection addresses: gather it, drop it (release unread) or recover.
@@ -617,35 +450,6 @@ class PlaneSampler:
         self._outgrown_in_row = 0
         self._layout = layout
         return True
-
-    def _drain(self, session: PlaneSession, state: PipelineState) -> None:
-        """End a pipeline: wait for its gathers, collect or cancel its Selects, release every lease once."""
-        if sys.is_finalizing():
-            return  # a generator dropped at exit: its sampler was closed at exit already (_close_open_samplers)
-        while state.gathering:
-            try:
-                state.finish_oldest()  # never release a lease while its bytes are still being read
-            except Exception:  # noqa: BLE001
-                pass
-        leases = dict.fromkeys([*state.verdicts, *state.to_release])
-        deadline = time.monotonic() + DRAIN_WAIT_S
-        for pending in state.selects:
-            leases.update(dict.fromkeys(pending.released))  # their Select may never reach the daemon
-            try:
-                try:
-                    selection, _ = pending.result(timeout=max(0.0, deadline - time.monotonic()))
-                except grpc.FutureTimeoutError:
-                    if pending.cancel():
-                        continue  # the daemon ends a cancelled Select (and releases what it selected)
-                    selection, _ = pending.result()
-                leases[selection.lease_id] = None
-            except (grpc.RpcError, grpc.FutureCancelledError):
-                pass
-        if leases and not session.closed:
-            try:
-                session.release(list(leases))
-            except grpc.RpcError:
-                pass
 
     @staticmethod
     def _release_quietly(session: PlaneSession, lease_id: int) -> None:

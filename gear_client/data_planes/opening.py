@@ -1,0 +1,134 @@
+"""Opening one table's data plane: offer the planes allowed, build the one the daemon picks, fall back.
+
+The learner offers shm, rdma and inline as allowed and available (rdma with the
+endpoint of a connection made for it); the daemon answers with one. A plane
+that cannot come up here (segment not openable, RDMA connection refused) is
+excluded and the next best negotiated, until one comes up or none is left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gear_client import errors
+from gear_client.connection import DaemonChannel
+from gear_client.data_planes.plane import ReadingPlane, SamplingPlane
+from gear_client.data_planes.session import PlaneSession
+from gear_contract import negotiation
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenedPlane:
+    """A plane that came up: a reading plane (shm, rdma) with its session, or the inline plane."""
+
+    reader: ReadingPlane | None
+    inline: SamplingPlane | None
+    session: PlaneSession | None
+    layout: TableLayout | None  # None while the table is empty: the first Select brings it
+
+
+@dataclass
+class PlaneOpener:
+    """Negotiates planes for one table (``open``); holds what every negotiation needs."""
+
+    stub: Any
+    table: str
+    planes: tuple[str, ...]
+    host_id: str
+    device: Any = None
+    rdma_device: str | None = None
+    num_qps: int | None = None
+    metadata: Any = None
+    daemon: DaemonChannel | None = None
+    sample_call: Any = None
+    # () -> a connected-to-be RDMA transport or None; None: the verbs device found by probing
+    rdma_connection: Callable[[], Any] | None = None
+
+    def _allowed(self, excluded: set[str]) -> list[str]:
+        allowed = [p for p in self.planes if p not in excluded]
+        if not allowed:
+            raise RuntimeError(f"no data plane left to try for table '{self.table}' (allowed: {list(self.planes)})")
+        return allowed
+
+    def _rdma_connection(self, allowed: list[str]):
+        if negotiation.RDMA not in allowed:
+            return None
+        return (self.rdma_connection or self._verbs_connection)()
+
+    def _verbs_connection(self):
+        from gear_contract import verbs
+
+        port = verbs.probe(self.rdma_device)
+        if port is None:
+            return None
+        from gear_client.data_planes.rdma import DEFAULT_NUM_QPS, VerbsConnection
+
+        try:
+            return VerbsConnection(port, num_qps=self.num_qps or DEFAULT_NUM_QPS)
+        except Exception as exc:  # noqa: BLE001 - a device that cannot give us queue pairs: no rdma
+            log.warning("RDMA device %s unusable, not offering rdma: %s", port.device, exc)
+            return None
+
+    def open(self, excluded: set[str]) -> OpenedPlane:
+        """Negotiate a plane; falls back plane by plane (adding each that fails to ``excluded``) until one comes up."""
+        while True:
+            allowed = self._allowed(excluded)
+            conn = self._rdma_connection(allowed)
+            offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None)
+            try:
+                if self.daemon is not None:
+                    self.daemon.wait_ready("sample")
+                response = self.stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=self.table, offer=offer),
+                                                   metadata=self.metadata, wait_for_ready=self.daemon is None)
+            except (grpc.RpcError, errors.ReverbError) as exc:
+                if conn is not None:
+                    conn.close()
+                if not isinstance(exc, grpc.RpcError):
+                    raise
+                connect_error = self.daemon.error_for(exc, "sample") if self.daemon is not None else None
+                raise (connect_error or errors.from_rpc_error(exc, "sample")) from exc
+            if response.kind != negotiation.RDMA and conn is not None:
+                conn.close()
+                conn = None
+            layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
+            if response.kind == negotiation.INLINE:
+                from gear_client.data_planes.inline import InlinePlane
+
+                inline = InlinePlane(self.stub, self.table, layout, sample_call=self.sample_call,
+                                     metadata=self.metadata)
+                return OpenedPlane(None, inline, None, layout)
+            session = PlaneSession(self.stub, self.table, response, metadata=self.metadata)
+            try:  # an empty table has no layout yet: the first Select brings it
+                reader = self._build(response, session, layout, conn)
+            except Exception as exc:  # noqa: BLE001 - the plane cannot come up here: next best
+                log.info("%s plane for table '%s' unusable (%s); falling back", response.kind, self.table, exc)
+                session.close()
+                if conn is not None:
+                    conn.close()
+                excluded.add(response.kind)
+                continue
+            return OpenedPlane(reader, None, session, layout)
+
+    def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout | None,
+               conn) -> ReadingPlane:
+        if response.kind == negotiation.SHM:
+            from gear_client.data_planes.shm import ShmPlane
+
+            return ShmPlane(session, layout, device=self.device)
+        if response.kind == negotiation.RDMA:
+            from gear_client.data_planes.rdma import RdmaPlane
+
+            if conn is None or not response.HasField("rdma"):
+                raise RuntimeError("the daemon chose rdma without an endpoint")
+            conn.connect(response.rdma)
+            return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn)
+        raise RuntimeError(f"the daemon chose an unknown plane {response.kind!r}")
