@@ -125,13 +125,19 @@ bench-reverb: install $(REVERB_VENV)/.installed
 bench-streams: install
 	$(VPY) bench/bench_streams.py
 
-# TensorFlow learners (gear_client.tf_datasets, tf_client) in their own venv with tensorflow-cpu (about
-# 1.6 GB, so not part of `make test`, whose runs skip the `tf` tests); the README's TensorFlow block too.
+# TensorFlow learners (gear_client.tf_datasets, tf_client; TF-Agents' replay buffer through the reverb
+# alias) in their own venv with tensorflow-cpu (about 1.6 GB, so not part of `make test`, whose runs
+# skip the `tf` tests); the README's TensorFlow block too.
 TF_VENV := .venv-tf
 $(TF_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(TF_VENV)
 	$(TF_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TF_VENV)/bin/python -m pip install -q -e '.[dev,tf]'
+	# TF-Agents itself (tests/tf_learners/test_tf_agents.py). --no-deps: it pins typing-extensions==4.5
+	# (grpcio needs >= 4.12) and tf-keras would pull a second TensorFlow; what it imports is listed.
+	$(TF_VENV)/bin/python -m pip install -q --no-deps tf-agents==0.19.0 tf-keras==2.21.0
+	$(TF_VENV)/bin/python -m pip install -q gin-config "gym==0.23.0" "tensorflow-probability==0.23.0" cloudpickle \
+		pillow wrapt dm-tree decorator gast
 	touch $@
 
 test-tf: $(TF_VENV)/.installed

@@ -229,7 +229,7 @@ class TrajectoryDataset:
     sampler decides both).
     """
 
-    def __new__(cls, server_address: str, table: str, shapes: Any, dtypes: Any, max_in_flight_samples_per_worker: int,
+    def __new__(cls, server_address: str, table: str, dtypes: Any, shapes: Any, max_in_flight_samples_per_worker: int,
                 num_workers_per_iterator: int = -1, max_samples_per_stream: int = -1,
                 rate_limiter_timeout_ms: int = -1, max_samples: int = -1) -> tf.data.Dataset:
         _check_common(max_in_flight_samples_per_worker, num_workers_per_iterator, max_samples_per_stream,
