@@ -8,6 +8,7 @@ optional part (datasets, structured writer) is missing from a build.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
@@ -40,7 +41,24 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "errors": ("gear_client.errors", None),
 }
 
-__all__ = sorted(name for name in _EXPORTS if name != "item_selectors")
+# Modules that need an optional dependency (module -> the dependency's import name). Without it their
+# names are absent, as any missing attribute: hasattr() is False, `from gear_client import *` skips them.
+_OPTIONAL_DEPENDENCIES: dict[str, str] = {
+    "gear_client.tf_datasets": "tensorflow",
+    "gear_client.tf_client": "tensorflow",
+}
+
+
+def _dependency_missing(module_name: str) -> str | None:
+    """The optional dependency ``module_name`` needs and this environment lacks, if any."""
+    dependency = _OPTIONAL_DEPENDENCIES.get(module_name)
+    if dependency is not None and importlib.util.find_spec(dependency) is None:
+        return dependency
+    return None
+
+
+__all__ = sorted(name for name, (module_name, _) in _EXPORTS.items()
+                 if name != "item_selectors" and _dependency_missing(module_name) is None)
 
 # Reverb's module names -> the module of gear that implements each: the `reverb` alias distribution
 # (alias/reverb) makes `from reverb import structured_writer`, `import reverb.rate_limiters`... work.
@@ -76,6 +94,10 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'gear_client' has no attribute {name!r}")
     module_name, attribute = target
+    dependency = _dependency_missing(module_name)
+    if dependency is not None:
+        raise AttributeError(f"gear_client.{name} needs {dependency}, which is not installed (gear itself does not: "
+                             f"see docs/REVERB_COMPAT.md)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -444,3 +444,17 @@ def test_client_pickles_for_actor_processes(client):
     clone.insert(np.int8(5), priorities={"episodes_a": 1.0})
     assert int(next(client.sample("episodes_a", emit_timesteps=False)).data[0][0]) == 5
 
+
+
+def test_optional_names_are_absent_not_broken_without_tensorflow():
+    """``from reverb import *``, ``hasattr`` and ``getattr(..., None)`` work whether TensorFlow is installed or not."""
+    namespace: dict = {}
+    exec("from gear_client import *", namespace)  # noqa: S102 - what a user's star import does
+    assert namespace["Client"] is reverb.Client and namespace["TrajectoryDataset"] is reverb.TrajectoryDataset
+    has_tf = importlib.util.find_spec("tensorflow") is not None
+    for name in ("TFClient", "ReplayDataset", "tf_datasets"):
+        assert hasattr(reverb, name) is has_tf and (name in namespace) is has_tf
+    if not has_tf:
+        assert getattr(reverb, "TFClient", None) is None
+        with pytest.raises(AttributeError, match="needs tensorflow"):
+            reverb.ReplayDataset  # noqa: B018
