@@ -458,3 +458,35 @@ def test_optional_names_are_absent_not_broken_without_tensorflow():
         assert getattr(reverb, "TFClient", None) is None
         with pytest.raises(AttributeError, match="needs tensorflow"):
             reverb.ReplayDataset  # noqa: B018
+
+
+@pytest.mark.xfail(strict=True, reason="TrajectoryWriter.append/create_item after close() are accepted and the item is "
+                   "even inserted (the legacy Writer raises RuntimeError 'the Writer is closed')")
+def test_trajectory_writer_refuses_use_after_close(client):
+    writer = client.trajectory_writer(num_keep_alive_refs=2)
+    writer.append({"x": np.float32(1)})
+    writer.close()
+    try:
+        with pytest.raises(RuntimeError):
+            writer.append({"x": np.float32(2)})
+            writer.create_item("episodes_a", 1.0, {"x": writer.history["x"][-1]})
+            writer.flush(timeout_ms=2000)
+    finally:
+        assert client.server_info()["episodes_a"].current_size == 0
+
+
+@pytest.mark.xfail(strict=True, reason="a column buffer allocates num_keep_alive_refs rows up front (np.empty of keep "
+                   "rows plus a Python list of keep ints): trajectory_writer(10**9) takes ~36 s and GBs for one "
+                   "scalar append; Reverb keeps references as they come")
+def test_a_large_keep_alive_window_costs_nothing_until_used(client):
+    import tracemalloc
+
+    writer = client.trajectory_writer(num_keep_alive_refs=10**7)
+    try:
+        tracemalloc.start()
+        writer.append({"x": np.float32(1)})
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 8 * 2**20, f"one scalar step allocated {peak / 2**20:.0f} MiB"
+    finally:
+        writer.close()
