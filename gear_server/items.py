@@ -246,8 +246,12 @@ def prepare_item(item: ItemToInsert) -> PreparedItem:
     if n_leaves != len(columns):
         raise BadRequest(f"item {key}: structure has {n_leaves} leaves but the item has {len(columns)} columns")
 
+    paths: list[str] = []  # the leaves' names, worked out once (per column they made wide items quadratic)
+
     def label(c: int) -> str:
-        return f"item {key}: column '{leaf_paths(item.structure)[c]}' (#{c})"
+        if not paths:
+            paths.extend(leaf_paths(item.structure))
+        return f"item {key}: column '{paths[c]}' (#{c})"
 
     pieces, lengths, specs = [], [], []
     for c in range(len(columns)):

@@ -14,6 +14,7 @@ import importlib.util
 import pickle
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -490,3 +491,35 @@ def test_a_large_keep_alive_window_costs_nothing_until_used(client):
         assert peak < 8 * 2**20, f"one scalar step allocated {peak / 2**20:.0f} MiB"
     finally:
         writer.close()
+
+
+def test_a_wide_item_does_not_stall_the_daemon(client, address):
+    """An item of 4,000 columns (a flattened observation dict) goes in while another client is served promptly.
+
+    The item check named every column by walking the whole structure once per column (quadratic): 4,000
+    columns held the daemon's event loop for about 13 s, 20,000 for minutes.
+    """
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        other = reverb.Client(address)
+        while not done.is_set():
+            start = time.monotonic()
+            other.server_info(timeout=60)
+            latencies.append(time.monotonic() - start)
+            done.wait(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with client.trajectory_writer(num_keep_alive_refs=1) as writer:
+            writer.append({f"k{i}": np.float32(i) for i in range(4000)})
+            writer.create_item("episodes_a", 1.0, {k: v[-1] for k, v in writer.history.items()})
+            writer.flush(timeout_ms=30_000)
+    finally:
+        done.set()
+        poller.join()
+    assert max(latencies) < 3.0, f"server_info waited {max(latencies):.1f} s behind the wide item"
+    data = next(client.sample("episodes_a", emit_timesteps=False)).data
+    assert len(data) == 4000
