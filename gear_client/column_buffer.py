@@ -119,11 +119,20 @@ class ColumnBuffer:
                 if dt == arr.dtype:
                     fast.append(py)
         self.fast_types = tuple(fast)
-        self._allocate()
+        # Rows are allocated as they come (``compact`` grows the buffer up to ``_full_cap``), so a
+        # huge keep-alive window costs nothing until it fills.
+        self._allocate(min(self._full_cap(), 2 * self._spare_rows()))
 
-    def _allocate(self) -> None:
-        spare = max(self.keep, min(_MAX_SPARE_ROWS, max(16, _SPARE_BUFFER_BYTES // self.row_bytes)))
-        cap = self.keep + spare
+    def _spare_rows(self) -> int:
+        """Rows kept beyond the live ones so compactions are rare: about 1 MiB worth (16 to 4096 rows)."""
+        return min(_MAX_SPARE_ROWS, max(16, _SPARE_BUFFER_BYTES // self.row_bytes))
+
+    def _full_cap(self) -> int:
+        """The most rows the buffer grows to: the keep-alive window plus as many spare rows (or more)."""
+        return self.keep + max(self.keep, self._spare_rows())
+
+    def _allocate(self, cap: int) -> None:
+        """Move the live rows into a new buffer of ``cap`` rows (at least the live rows plus one)."""
         buf = np.empty((cap,) + self.shape, dtype=self.dtype)
         steps = [0] * cap
         if self.buf is not None:
@@ -142,6 +151,10 @@ class ColumnBuffer:
     def compact(self, before_move: BeforeMove | None = None) -> int:
         """Move the live rows to the front of the other buffer; returns the position of the next row.
 
+        While the live rows fill half the buffer and it is smaller than ``_full_cap``,
+        they move into a new buffer of twice the rows instead (rows are allocated as
+        they are appended, amortized O(1) per row).
+
         Two buffers take turns, so rows of the current one stay where they are
         (chunks waiting in a batch are views of them). ``before_move(column,
         target)`` is called before ``target`` is overwritten.
@@ -149,8 +162,8 @@ class ColumnBuffer:
         live = self.min_live_row()
         src = live - self.buf_first_row
         n = self.nrows - live
-        if n + 1 > self.cap:  # the keep-alive window grew (configure)
-            self._allocate()
+        if 2 * n >= self.cap and self.cap < self._full_cap():  # live rows fill half of it: grow (doubling)
+            self._allocate(max(n + 1, min(self._full_cap(), 2 * self.cap)))
             return self.nrows - self.buf_first_row
         target = self.spare_buf
         if target is None:
@@ -186,9 +199,7 @@ class ColumnBuffer:
         if keep == self.keep:
             return
         self.hist = deque(self.hist, maxlen=keep)
-        self.keep = keep
-        if self.buf is not None and self.cap < keep + 1:
-            self._allocate()
+        self.keep = keep  # a larger window grows the buffer as rows come (``compact``)
 
     def clear(self, episode_id: int) -> None:
         """Forget every row (end_episode with clear_buffers); chunks are released by the writer."""

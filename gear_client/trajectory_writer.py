@@ -54,6 +54,7 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 256 << 20
 # How long a writer waits for a daemon that went away before it gives up the unacknowledged items, when
 # neither the keyword nor the client says (a Client's connect timeout is the default).
 DEFAULT_RECONNECT_TIMEOUT_S = 30.0
+_CLOSED = "the TrajectoryWriter is closed"  # after close(), as the legacy Writer words it
 
 
 class TrajectoryWriter:
@@ -90,6 +91,7 @@ class TrajectoryWriter:
         self._validated: dict[Any, bool] = {}
         self._structures: dict[Any, bytes] = {}  # treedef -> encoded gear.v1.Structure
         self._same_host = SameHostRoute(client)  # the insert plane, when the daemon is on this host
+        self._closed = False
 
     # ----------------------------------------------------------- context --
     def __enter__(self) -> TrajectoryWriter:
@@ -97,7 +99,7 @@ class TrajectoryWriter:
 
     def __exit__(self, exc_type: Any, exc_value: Any, tb: Any) -> None:
         try:
-            if exc_type is None or not issubclass(exc_type, ReverbError):
+            if not self._closed and (exc_type is None or not issubclass(exc_type, ReverbError)):
                 self.flush()
         finally:
             self.close()
@@ -138,6 +140,8 @@ class TrajectoryWriter:
 
     def append(self, data: Any, *, partial_step: bool = False) -> None:
         """Append one step (or part of it, with ``partial_step``) column-wise."""
+        if self._closed:
+            raise RuntimeError(_CLOSED)
         # Fast path: a flat dict/sequence of leaves laid out as before, with the
         # same dtypes and shapes, starting a new step. Validated before any change.
         plan = None if self._open else self._layout.plan_for(data)
@@ -162,6 +166,7 @@ class TrajectoryWriter:
 
     def create_item(self, table: str, priority: float, trajectory: Any) -> None:
         """Send an item of ``table`` made of the trajectory's columns (blocks past max_in_flight_items)."""
+        self._check_open()
         flat, treedef = nest.flatten_with_treedef(trajectory)
         for column in flat:
             if not isinstance(column, TrajectoryColumn):
@@ -214,6 +219,7 @@ class TrajectoryWriter:
 
     def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
         """Block until at most ``block_until_num_items`` items are unacknowledged by the server."""
+        self._check_open()
         if block_until_num_items < 0:
             raise ValueError(f"block_until_num_items must be >= 0, got {block_until_num_items}")
         self._raise_stream_error("flush")
@@ -257,7 +263,11 @@ class TrajectoryWriter:
                     self._stream.send_releases(self._chunker.take_releases())
 
     def close(self, _wait: bool = True) -> None:
-        """End the stream (items not yet acknowledged may be lost; ``flush`` first to keep them)."""
+        """End the stream (items not yet acknowledged may be lost; ``flush`` first to keep them).
+
+        Closing twice is fine; ``append``, ``create_item`` and ``flush`` afterwards raise RuntimeError.
+        """
+        self._closed = True
         stream, self._stream = self._stream, None
         self._finalizer.detach()
         self._same_host.close(_wait)
@@ -269,6 +279,10 @@ class TrajectoryWriter:
         self._chunker.forget(self._columns)  # a new stream starts empty
 
     # ---------------------------------------------------------- appending --
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(_CLOSED)
+
     def _new_step(self, columns: list[ColumnBuffer], values: Sequence[Any], missing: list[ColumnBuffer],
                   partial_step: bool) -> None:
         """Store a new step's values and record them (and the columns without data) in the history."""

@@ -423,6 +423,25 @@ def test_buffer_compaction_keeps_the_window(server, client):
     w.close()
 
 
+def test_a_large_window_grows_as_rows_come_and_keeps_them(server, client):
+    """A window larger than the first buffer: the buffer doubles as rows come and every row stays referable."""
+    w = TrajectoryWriter(client, 50000)
+    n = 30000
+    for i in range(n):
+        w.append({"r": np.int64(i)})
+        if i % 4999 == 0 and i:
+            w.create_item("t", 1.0, w.history["r"][-4999:])
+    column = w._columns[0]
+    assert 2 * n > column.cap >= n  # grown by doubling, not to the whole window (100,000 rows)
+    w.create_item("t", 1.0, w.history["r"][:])
+    w.flush()
+    *windows, whole = [item.data for item in server.servicer.items]
+    for data in windows:
+        np.testing.assert_array_equal(data, np.arange(int(data[0]), int(data[0]) + 4999))
+    np.testing.assert_array_equal(whole, np.arange(n))
+    w.close()
+
+
 def test_context_manager_flushes_and_closes(server, client):
     server.servicer.ack_gate = threading.Semaphore(0)
     w = TrajectoryWriter(client, 3)

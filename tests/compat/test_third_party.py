@@ -461,24 +461,24 @@ def test_optional_names_are_absent_not_broken_without_tensorflow():
             reverb.ReplayDataset  # noqa: B018
 
 
-@pytest.mark.xfail(strict=True, reason="TrajectoryWriter.append/create_item after close() are accepted and the item is "
-                   "even inserted (the legacy Writer raises RuntimeError 'the Writer is closed')")
 def test_trajectory_writer_refuses_use_after_close(client):
+    """append/create_item/flush after close() raise RuntimeError (as the legacy Writer does); close twice is fine."""
     writer = client.trajectory_writer(num_keep_alive_refs=2)
     writer.append({"x": np.float32(1)})
+    ref = writer.history["x"][-1:]
     writer.close()
     try:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="TrajectoryWriter is closed"):
             writer.append({"x": np.float32(2)})
-            writer.create_item("episodes_a", 1.0, {"x": writer.history["x"][-1]})
+        with pytest.raises(RuntimeError, match="TrajectoryWriter is closed"):
+            writer.create_item("episodes_a", 1.0, {"x": ref})
+        with pytest.raises(RuntimeError, match="TrajectoryWriter is closed"):
             writer.flush(timeout_ms=2000)
+        writer.close()
     finally:
         assert client.server_info()["episodes_a"].current_size == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a column buffer allocates num_keep_alive_refs rows up front (np.empty of keep "
-                   "rows plus a Python list of keep ints): trajectory_writer(10**9) takes ~36 s and GBs for one "
-                   "scalar append; Reverb keeps references as they come")
 def test_a_large_keep_alive_window_costs_nothing_until_used(client):
     import tracemalloc
 
