@@ -183,12 +183,16 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
         if self._on_denied is not None:
             self._on_denied(method)
         reason = "missing bearer token" if presented is None else "wrong bearer token"
-        refusal = self._refusals.get((method, reason))
+        # Keyed on the shortened name: method names come from callers, so each key stays small
+        # (served names are short and kept whole; two long made-up names that shorten alike are
+        # both unknown methods and share one refusal) and the cache stays bounded in count.
+        key = (shorten(method), reason)
+        refusal = self._refusals.get(key)
         if refusal is None:
-            refusal = _refusal(await continuation(handler_call_details), f"{shorten(method)}: {reason}")
-            if len(self._refusals) > 4096:  # method names come from callers: keep the cache bounded
+            refusal = _refusal(await continuation(handler_call_details), f"{key[0]}: {reason}")
+            if len(self._refusals) > 4096:
                 self._refusals.clear()
-            self._refusals[(method, reason)] = refusal
+            self._refusals[key] = refusal
         return refusal
 
 
