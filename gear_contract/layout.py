@@ -13,6 +13,7 @@ without asking again. It travels as ``gear.v1.TableLayout``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,8 +40,9 @@ class ColumnLayout:
     max_length: int  # steps a slot holds
     squeeze: bool = False  # items hold one step without its time dimension
 
-    @property
+    @functools.cached_property
     def step_bytes(self) -> int:
+        """Bytes of one step (cached: the daemon reads it for every commit and Select)."""
         return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
 
     def slot_offset(self, slot: int) -> int:

@@ -110,9 +110,13 @@ class Table:
             return len(self._state.slots)
 
     def layout(self) -> TableLayout | None:
-        """The storage layout (None until the first item fixes it)."""
-        with self._state.lock:
-            return self._state.columns.layout
+        """The storage layout (None until the first item fixes it).
+
+        Read without the table's lock: a layout is immutable and replaced whole under the
+        lock, so the reference read is atomic, and callers on the serving loop (Select,
+        commits, metrics) never wait behind table work for it.
+        """
+        return self._state.columns.layout
 
     @property
     def closed(self) -> bool:

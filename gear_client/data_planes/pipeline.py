@@ -30,6 +30,13 @@ PIPELINE_PREFETCH = 2
 # table's spare slots and one gather's buffer stays small (measured on the 2-core machine: 256 items
 # of 256 KiB per Select gathered slower than 128).
 ITEMS_PER_SELECT = 128
+# Into GPU memory the gather runs at the PCIe ceiling, so the Select round trip is what a batch
+# waits for; and under insert load every Select costs the daemon's one interpreter. A GPU learner
+# asks for more batches per Select (B=256: 4), bounded in bytes so that one gather's device buffer
+# stays moderate (measured on the H100 machine with 8 actors inserting: B=256 learner 27 GB/s at
+# one batch per Select, 49 GB/s at four, solo 50).
+GPU_ITEMS_PER_SELECT = 1024
+GPU_BYTES_PER_SELECT = 512 << 20
 MAX_BATCHES_PER_SELECT = 8
 MAX_SELECT_ITEMS = 1 << 20  # the daemon's cap on one Select
 DRAIN_WAIT_S = 1.0  # how long closing a pipeline waits for its Selects in flight before cancelling them
@@ -43,12 +50,19 @@ class LayoutStep(enum.Enum):
     RECOVER = "recover"  # leave the pipeline: sample()'s recovery re-opens
 
 
-def select_width(batch_size: int, asked: int | None = None) -> int:
-    """Batches one pipelined Select asks for: ``asked``, or as many as fit ITEMS_PER_SELECT (at most 8)."""
+def select_width(batch_size: int, asked: int | None = None, *, gpu: bool = False, item_bytes: int = 0) -> int:
+    """Batches one pipelined Select asks for: ``asked``, or as many as fit ITEMS_PER_SELECT (at most 8);
+    gathering into GPU memory, as many as fit GPU_ITEMS_PER_SELECT and GPU_BYTES_PER_SELECT (``item_bytes``:
+    one item's bytes in the segment, 0 when not known yet)."""
     if asked is not None:
         if asked < 1:
             raise ValueError(f"batches_per_select must be >= 1, got {asked}")
         return max(1, min(int(asked), MAX_SELECT_ITEMS // batch_size))
+    if gpu:
+        items = GPU_ITEMS_PER_SELECT
+        if item_bytes > 0:
+            items = min(items, GPU_BYTES_PER_SELECT // item_bytes)
+        return max(1, min(MAX_BATCHES_PER_SELECT, items // batch_size))
     return max(1, min(MAX_BATCHES_PER_SELECT, ITEMS_PER_SELECT // batch_size))
 
 

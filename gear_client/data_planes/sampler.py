@@ -44,6 +44,7 @@ from gear_client.data_planes.pipeline import (
 from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.session import ItemSelection, PlaneSession
+from gear_client.data_planes.shm import is_gpu_device
 from gear_client.data_planes.targets import connect
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
@@ -315,7 +316,12 @@ class PlaneSampler:
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        per_select = select_width(num_samples, batches_per_select)
+        with self._lock:
+            self._ensure_open()
+            layout = self._layout
+        item_bytes = sum(c.slot_stride for c in layout.columns[:1]) if layout is not None else 0
+        per_select = select_width(num_samples, batches_per_select, gpu=is_gpu_device(self.device),
+                                  item_bytes=item_bytes)
         while True:
             with self._lock:
                 self._ensure_open()

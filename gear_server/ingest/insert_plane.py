@@ -34,6 +34,7 @@ from grpc import aio
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_server.errors import CallCancelled, TableNotFoundError
+from gear_server.ingest.commit_lane import CommitLane
 from gear_server.items import ReservedItem
 from gear_server.service import SERVICE_NAME
 from gear_server.statuses import LimitExceeded, abort_for
@@ -85,6 +86,7 @@ class InsertPlaneManager:
         self.writer_pids: set[int] = set()  # processes that opened a stream (the most recent 1024)
         self._lock = threading.Lock()
         self._streams: dict[int, _Stream] = {}
+        self.lanes: dict[str, CommitLane] = {}  # table -> its reserves and commits, one pool job at a time (event loop only)
         self._ending: list[tuple[float, _Stream]] = []  # (give back at, stream)
         self._stop = threading.Event()
         interval = reap_interval_s if reap_interval_s is not None else min(1.0, self.reservation_timeout_s / 4)
@@ -247,7 +249,8 @@ class InsertPlaneManager:
         if held + count > self.max_reservations:
             raise LimitExceeded(f"ReserveSlots of {count} slots on a stream that holds {held}", self.max_reservations,
                                 "[ingest] max_reservations_per_stream")
-        slots, layout = await self.calls.run(table.reserve, count)
+        slots, layout = await self._lane(table.name).run(table.reserve, count,
+                                                         on_orphan=lambda taken: table.unreserve(taken[0]))
         response = pb.SlotsReserved(table=table.name, slots=slots)
         if layout is None:
             return response
@@ -284,8 +287,7 @@ class InsertPlaneManager:
         moved: TableLayout | None = None
         committer = _Committer(table, int(request.layout_version))
         try:
-            await self.calls.insert_many([(committer, item) for item in items], None,
-                                         on_inserted=lambda _, item: committed.append(item))
+            await self._lane(table.name).commit([(committer, item) for item in items], lambda _, item: committed.append(item))
         except LayoutMoved as e:
             moved = e.layout
         with stream.lock:
@@ -303,6 +305,12 @@ class InsertPlaneManager:
             response.layout.CopyFrom(moved.to_proto())
             stream.versions[table.name] = moved.version
         return response
+
+    def _lane(self, table_name: str) -> CommitLane:
+        lane = self.lanes.get(table_name)
+        if lane is None:
+            lane = self.lanes[table_name] = CommitLane(self.calls)
+        return lane
 
     def _cancel(self, stream: _Stream, request: pb.CancelSlots) -> None:
         table = self.tables.get(request.table)

@@ -137,6 +137,9 @@ def test_uniform_tables_are_read_ahead_several_batches_per_select(daemon):
     table = daemon.tables["uniform"]
     fill(table, 16, **ITEM)
     assert select_width(4) == 8 and select_width(32) == 4 and select_width(256) == 1 and select_width(4, 3) == 3
+    # into GPU memory: more batches per Select, bounded in bytes
+    assert select_width(256, gpu=True) == 4 and select_width(32, gpu=True) == 8
+    assert select_width(256, gpu=True, item_bytes=1 << 20) == 2 and select_width(4096, gpu=True) == 1
     assert gathers_in_flight(3, 1) == 3 and gathers_in_flight(3, 4) == 2 and gathers_in_flight(16, 4) == 4
     with PlaneSampler(daemon.address(), "uniform") as s:
         stream = s.batches(4)
