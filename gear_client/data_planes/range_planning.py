@@ -74,16 +74,27 @@ def window_bounds(lengths: np.ndarray, layout: TableLayout, windows: Sequence[Wi
 
     The same arithmetic as the gather kernel (gear_kernels.twins.window_bounds).
     """
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, len(layout.columns))
-    n = lengths.shape[0]
-    src = np.zeros_like(lengths)
-    count = np.zeros_like(lengths)
-    dst = np.zeros_like(lengths)
-    for c, (col, w) in enumerate(zip(layout.columns, windows, strict=True)):
-        start = np.broadcast_to(np.asarray(w.start, dtype=np.int64), (n,))
-        src[:, c], count[:, c], dst[:, c] = twins.window_bounds(lengths[:, c], start, int(w.length),
-                                                                col.max_length, w.pad == "head")
-    return src, count, dst
+    num_columns = len(layout.columns)
+    if len(windows) != num_columns:
+        raise ValueError(f"{len(windows)} windows for {num_columns} columns")
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, num_columns)
+    # every column at once (per batch a few array operations, not a few per column): the twin broadcasts
+    if all(np.ndim(w.start) == 0 for w in windows):
+        start = np.array([int(w.start) for w in windows], dtype=np.int64)
+    else:  # a start per item in some column
+        start = np.stack([np.broadcast_to(np.asarray(w.start, dtype=np.int64), lengths.shape[:1]) for w in windows],
+                         axis=1)
+    steps = np.array([int(w.length) for w in windows], dtype=np.int64)
+    max_length = np.array([col.max_length for col in layout.columns], dtype=np.int64)
+    if start.ndim == 1 and not start.any():  # every window from the first step (the usual case): one clip
+        src = np.zeros_like(lengths)
+        count = np.clip(lengths, 0, np.minimum(steps, max_length))
+    else:
+        src, count, _ = twins.window_bounds(lengths, start, steps, max_length, False)
+        src = np.broadcast_to(src, lengths.shape)
+    head = np.array([w.pad == "head" for w in windows])
+    dst = np.where(head, steps - count, 0) if head.any() else np.zeros_like(count)
+    return np.ascontiguousarray(src), count, dst
 
 
 # ------------------------------------------------------------- batch layout --
@@ -134,23 +145,29 @@ def plan_ranges(
     counts: np.ndarray,
     batch: BatchLayout,
     firsts: np.ndarray | None = None,
+    columns: Sequence[int] | None = None,
 ) -> np.ndarray:
     """The byte ranges that move a selection into a batch buffer (empty ranges dropped).
 
     Item ``i`` of column ``c`` reads ``counts[i, c]`` steps of slot ``slots[i]``
     from step ``starts[i, c]`` into row ``i`` of the column's block, from row step
-    ``firsts[i, c]`` (0 when not given). Returns ``int64 [n, 3]`` (remote offset in
-    the segment, local offset in the buffer, length).
+    ``firsts[i, c]`` (0 when not given). ``columns``: only these columns' ranges
+    (default all; the slots are checked either way). Returns ``int64 [n, 3]``
+    (remote offset in the segment, local offset in the buffer, length).
     """
     slots = np.asarray(slots, dtype=np.int64)
     n = slots.shape[0]
     if n > batch.batch_size:
         raise ValueError(f"{n} items do not fit a batch of {batch.batch_size}")
-    if np.any(slots < 0) or np.any(slots >= layout.capacity):
+    if len(batch.columns) != len(layout.columns):
+        raise ValueError(f"a batch of {len(batch.columns)} columns for a layout of {len(layout.columns)}")
+    if n and (slots.min() < 0 or slots.max() >= layout.capacity):
         raise ValueError(f"slot out of range [0, {layout.capacity})")
     parts = []
     rows = np.arange(n, dtype=np.int64)
-    for c, (col, dst) in enumerate(zip(layout.columns, batch.columns, strict=True)):
+    wanted = range(len(layout.columns)) if columns is None else columns
+    for c in wanted:
+        col, dst = layout.columns[c], batch.columns[c]
         count = np.asarray(counts[:, c], dtype=np.int64)
         start = np.asarray(starts[:, c], dtype=np.int64)
         first = np.zeros(n, dtype=np.int64) if firsts is None else np.asarray(firsts[:, c], dtype=np.int64)

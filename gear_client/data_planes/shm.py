@@ -35,9 +35,11 @@ from gear_contract.layout import TableLayout
 # Item bytes from which one memcpy per item beats a vectorised take (measured on x86-64).
 MEMCPY_ITEM_BYTES = 16 << 10
 # GPU: CUDA streams the gathers of successive batches take turns on, so that one batch's inputs
-# upload and its kernel starts while the previous kernel still runs. They are blocking streams
-# (ordered with the legacy default stream, as a learner's own work usually is), so a batch's memory
-# the learner dropped is never rewritten while work it queued before still reads it.
+# upload and its kernel starts while the previous kernel still runs. They are non-blocking streams:
+# nothing on the legacy default stream (a learner's own work, a sharded batch's assembly) waits for
+# the gathers read ahead, nor they for it, except that each gather first waits (an event, no host
+# wait) for the work already queued on the launching thread's current stream: a batch's memory the
+# learner dropped is never rewritten while work it queued before still reads it.
 GPU_STREAMS = 4
 # Segments up to this size are mapped with MAP_POPULATE (page-table entries made at open, about
 # 0.1 s per GiB, instead of minor faults during the first batches).
@@ -92,18 +94,22 @@ class SegmentMapping:
 
 
 def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 ranges: np.ndarray, batch: BatchLayout, out: np.ndarray) -> None:
+                 ranges: np.ndarray | None, batch: BatchLayout, out: np.ndarray) -> None:
     """Copy a selection into ``out`` (uint8, laid out as ``batch``), zeroing only the padding.
 
     ``bounds`` are window_bounds() (first source step, steps, first row step) and
-    ``ranges`` the plan_ranges() of the selection. Small columns whose items all
-    take the same steps go through one vectorised take; the rest are one slice
-    copy per range. (gear_kernels.gather_numpy gives the same bytes but zeroes
-    whole rows first, a second pass over the batch.)
+    ``ranges`` the plan_ranges() of the selection, or None: planned here for the
+    columns that need them. Small columns whose items all take the same steps go
+    through one vectorised fancy-index read (never ``np.take``, which first copies
+    the whole strided table view: milliseconds at 1M slots); the rest are one
+    slice copy per range. (gear_kernels.gather_numpy gives the same bytes but
+    zeroes whole rows first, a second pass over the batch.)
     """
     layout = mapping.layout
     starts, counts, firsts = bounds
     n = len(slots)
+    if n and (slots.min() < 0 or slots.max() >= layout.capacity):
+        raise ValueError(f"slot out of range [0, {layout.capacity})")
     done = np.zeros(len(layout.columns), dtype=bool)
     for c, (col, dst) in enumerate(zip(layout.columns, batch.columns, strict=True)):
         if n == 0:
@@ -114,17 +120,22 @@ def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.nd
                    and bool(np.all(firsts[:, c] == at)))
         if not uniform or record >= MEMCPY_ITEM_BYTES:
             continue
-        picked = np.take(mapping.slot_view(c, first, steps), slots)
+        picked = mapping.slot_view(c, first, steps)[slots]
         if dst.item_bytes == record:
             out[dst.offset:dst.offset + n * record].view(f"V{record}")[:] = picked
         else:
             rows = out[dst.offset:dst.offset + n * dst.item_bytes].reshape(n, dst.item_bytes)
             rows[:, at * col.step_bytes:at * col.step_bytes + record] = picked.view(np.uint8).reshape(n, record)
         done[c] = True
-    if len(ranges):
+    if ranges is None:
+        rest = np.flatnonzero(~done).tolist()
+        if rest:
+            copy_ranges(mapping.bytes, out, plan_ranges(layout, slots, starts, counts, batch, firsts, columns=rest))
+    elif len(ranges):
         copy_ranges(mapping.bytes, out, ranges[~done[_column_of(ranges, batch)]])
-    for off, length in padding_ranges(counts, batch, firsts).tolist():
-        out[off:off + length] = 0
+    if n and not np.array_equal(counts, np.broadcast_to([dst.steps for dst in batch.columns], counts.shape)):
+        for off, length in padding_ranges(counts, batch, firsts).tolist():  # rows shorter than the batch's
+            out[off:off + length] = 0
 
 
 def _column_of(ranges: np.ndarray, batch: BatchLayout) -> np.ndarray:
@@ -217,11 +228,10 @@ class ShmPlane:
             columns, event = self._gather_gpu(selection, windows)
             return Pending(lambda: (event.synchronize(), done(columns))[1])  # waits for this batch alone
         batch = BatchLayout.build(layout, n, window_steps(windows))
-        ranges = plan_ranges(layout, selection.slots, bounds[0], bounds[1], batch, bounds[2])
         out = self._pool.get(batch.nbytes)
 
         def copy() -> SampledBatch:
-            gather_numpy(self.mapping, selection.slots, bounds, ranges, batch, out)
+            gather_numpy(self.mapping, selection.slots, bounds, None, batch, out)  # plans what it copies by range
             return done(column_arrays(out, layout, batch, n))
 
         if self._worker is None:
@@ -243,9 +253,12 @@ class ShmPlane:
         cp = gear_kernels._backend.require_cupy()
         with cp.cuda.Device(gpu_index(self.device)):
             if not self._streams:
-                self._streams = [cp.cuda.Stream() for _ in range(GPU_STREAMS)]
+                self._streams = [cp.cuda.Stream(non_blocking=True) for _ in range(GPU_STREAMS)]
             stream = self._streams[self._launches % GPU_STREAMS]
             self._launches += 1
+            queued = cp.cuda.Event(block=False, disable_timing=True)
+            queued.record(cp.cuda.get_current_stream())
+            stream.wait_event(queued)  # the memory reused below may be a batch the learner's queued work reads
             with stream:  # inputs, output and kernel of this batch in its own stream's order
                 result = gear_kernels.gather(self.layout, self._registration, selection.slots,
                                              selection.lengths.astype(np.int32), windows)

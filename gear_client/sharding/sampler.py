@@ -34,7 +34,8 @@ from gear_client import errors
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
-from gear_client.sharding.assembly import assemble, rows
+from gear_client.data_planes.shm import is_gpu_device
+from gear_client.sharding.assembly import DeviceAssembly, HostAssembly, assemble, rows
 from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
 from gear_client.sharding.selection import (
     PRIORITIZED,
@@ -54,6 +55,9 @@ EMPTY_POLL_S = (0.005, 0.2)  # first and longest wait between looks at a table w
 READ_AHEAD_ITEMS = 128  # batches(): items selected together (one split, one part per shard)
 READ_AHEAD_GROUPS = 2  # batches(): groups fetched at once
 STREAM_WEIGHTS_REFRESH_S = 1.0  # batches() over streams: how often every shard's size and mass are asked
+# batches() over streams: items a shard's chunk holds at least. A chunk is a whole batch (not the shard's
+# share): a batch then takes about one piece per shard (fewer pieces to assemble, fewer queue hand-offs).
+STREAM_MIN_CHUNK = 8
 
 
 @dataclass
@@ -92,6 +96,8 @@ class ShardedSampler:
         self._streams: set[ShardStream] = set()  # batches(): the shards' read-ahead streams
         self._ended_kinds: dict[int, str] = {}  # shard -> the plane its last stream used
         self._fetcher = futures.ThreadPoolExecutor(max_workers=READ_AHEAD_GROUPS, thread_name_prefix="gear-shard-batch")
+        # this consumer's assembly: on a GPU its own stream; on the CPU its reused buffers
+        self._assembly = DeviceAssembly(device) if is_gpu_device(device) else HostAssembly()
         shards.on_rejoin(self._forget_sampler)
 
     # ----------------------------------------------------------------- per-shard samplers
@@ -228,16 +234,32 @@ class ShardedSampler:
     def _fetch(self, plan: _Plan, window: WindowSpec) -> SampledBatch:
         """The planned parts, collected in parallel, with global probabilities, as one batch."""
         parts = self._collect(plan, window)
-        for shard_index, part in parts.items():
-            self.shards.learn_owners(part.keys.tolist(), self.shards.shards[shard_index])
-        size, probabilities = globalise(plan.policy, plan.weights, {
-            s: (p.priorities, p.probabilities, p.table_sizes) for s, p in parts.items()})
-        for part, probs in zip(parts.values(), probabilities, strict=True):
-            part.probabilities = probs
-            part.table_sizes = np.full(len(part), size, np.int64)
-        return assemble(list(parts.values()), plan.rng, self.device)
+        return self._assemble(plan.policy, plan.weights, parts, plan.rng)
 
-    def _collect(self, plan: _Plan, window: WindowSpec) -> dict[int, SampledBatch]:
+    def _assemble(self, policy: Policy, weights: dict[int, ShardWeight], pieces: dict[int, list[SampledBatch]],
+                  rng: np.random.Generator) -> SampledBatch:
+        """Every shard's pieces with the global probabilities and size, copied once into one batch.
+
+        A shard may give several pieces (chunks of its stream, a part taken again
+        after a failure): they join the others in one flat list, never assembled
+        per shard first.
+        """
+        per_shard, flat = {}, []
+        for index, ps in pieces.items():
+            if len(ps) == 1:
+                infos = (ps[0].keys, ps[0].priorities, ps[0].probabilities, ps[0].table_sizes)
+            else:
+                infos = tuple(np.concatenate([getattr(p, f) for p in ps])
+                              for f in ("keys", "priorities", "probabilities", "table_sizes"))
+            self.shards.learn_owners(infos[0].tolist(), self.shards.shards[index])
+            per_shard[index] = infos[1:]
+            flat.extend(ps)
+        size, probabilities = globalise(policy, weights, per_shard)
+        return assemble(flat, rng, self.device, self._assembly,
+                        probabilities=np.concatenate(probabilities) if len(probabilities) > 1 else probabilities[0],
+                        table_size=size)
+
+    def _collect(self, plan: _Plan, window: WindowSpec) -> dict[int, list[SampledBatch]]:
         """Every shard's part, in parallel; a failed shard's part is split again over the others."""
         policy, weights, deadline = plan.policy, plan.weights, plan.deadline
         got: dict[int, list[SampledBatch]] = {}
@@ -286,7 +308,7 @@ class ShardedSampler:
                     timed_out = timed_out or errors.DeadlineExceededError("sample: rate limiter timeout")
         if not got:
             raise timed_out or errors.ServiceError(f"sample: no shard of table '{self.table}' answered")
-        return {s: (ps[0] if len(ps) == 1 else assemble(ps, plan.rng, self.device)) for s, ps in got.items()}
+        return got
 
     def _check_outstanding(self, shard_indices: set[int]) -> None:
         """Parts still running after ``timeout_s``: probe their shards; a dead one's part is cut off."""
@@ -339,7 +361,7 @@ class ShardedSampler:
     def _streamed(self, num_samples: int, window: WindowSpec, timeout: float | None):
         """Batches cut from the shards' streams (see ``streams``)."""
         streams: dict[int, ShardStream] = {}
-        chunk = max(8, -(-num_samples // max(1, len(self.shards.shards))))
+        chunk = max(STREAM_MIN_CHUNK, num_samples)  # a batch a chunk: each takes ~its share of one, in ~1 piece
         asked = -math.inf
         try:
             while True:
@@ -364,25 +386,19 @@ class ShardedSampler:
                     rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
                 if not counts:  # no item anywhere yet: the streams wait for the first ones
                     counts = {i: 0 for i in streams}
-                parts = self._take(streams, policy, counts, num_samples, rng, timeout)
-                if not parts:
+                pieces = self._take(streams, policy, counts, num_samples, rng, timeout)
+                if not pieces:
                     continue
-                for index, part in parts.items():
-                    self.shards.learn_owners(part.keys.tolist(), self.shards.shards[index])
                 latest = {i: st.weight for i, st in streams.items() if st.weight is not None}
-                size, probabilities = globalise(policy, latest, {
-                    i: (p.priorities, p.probabilities, p.table_sizes) for i, p in parts.items()})
-                for part, probs in zip(parts.values(), probabilities, strict=True):
-                    part.probabilities = probs
-                    part.table_sizes = np.full(len(part), size, np.int64)
-                yield assemble(list(parts.values()), rng, self.device)
+                yield self._assemble(policy, latest, pieces, rng)
         finally:
             for index in list(streams):
                 self._end_stream(streams, index)
 
     def _take(self, streams: dict[int, ShardStream], policy: Policy, counts: dict[int, int], total: int,
-              rng: np.random.Generator, timeout: float | None) -> dict[int, SampledBatch]:
-        """Each shard's count from its stream; a failed shard's count is split again over the others."""
+              rng: np.random.Generator, timeout: float | None) -> dict[int, list[SampledBatch]]:
+        """Each shard's count from its stream, as pieces of its chunks (views, nothing copied); a failed
+        shard's count is split again over the others."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {i: n for i, n in counts.items() if n > 0}
         if not pending:  # no item on any shard yet
@@ -426,7 +442,7 @@ class ShardedSampler:
                                                            f"{timeout}s")
                 else:
                     pending.pop(index)
-        return {i: (ps[0] if len(ps) == 1 else assemble(ps, rng, self.device)) for i, ps in pieces.items()}
+        return {i: ps for i, ps in pieces.items() if ps}
 
     def _start_stream(self, shard: Shard, policy: Policy, chunk: int, window: WindowSpec,
                       weight: ShardWeight) -> ShardStream:
@@ -460,6 +476,10 @@ class ShardedSampler:
         for stream in streams:
             stream.close()
         self._fetcher.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self._assembly, DeviceAssembly):
+            self._assembly.synchronize()
+        else:
+            self._assembly.clear()
         if self._owns_shards:
             self.shards.close()
 

@@ -96,9 +96,11 @@ def selection_mass(policy: Policy, priorities: np.ndarray, probabilities: np.nda
     priorities, probabilities = priorities[:MASS_SAMPLE], probabilities[:MASS_SAMPLE]
     w = priority_weights(priorities, policy.exponent)
     ok = (w > 0) & (probabilities > 0)
-    if not ok.any():
+    ratios = np.sort(w[ok] / probabilities[ok])  # a median of at most 16, without np.median's overhead (per batch)
+    m = len(ratios)
+    if m == 0:
         return None
-    return float(np.median(w[ok] / probabilities[ok]))
+    return float(ratios[m // 2]) if m % 2 else float((ratios[m // 2 - 1] + ratios[m // 2]) / 2)
 
 
 def globalise(policy: Policy, weights: dict[int, ShardWeight], parts: dict[int, tuple[np.ndarray, ...]]
@@ -118,12 +120,13 @@ def globalise(policy: Policy, weights: dict[int, ShardWeight], parts: dict[int, 
             if mass is not None:
                 masses[s] = mass
     global_size = int(sum(sizes.values()))
+    total_mass = sum(masses.values())
     out = []
     for priorities, probabilities, _ in parts.values():
-        if policy.kind == UNIFORM or (policy.kind == PRIORITIZED and not sum(masses.values()) > 0):
+        if policy.kind == UNIFORM or (policy.kind == PRIORITIZED and not total_mass > 0):
             out.append(np.full(len(priorities), 1.0 / max(global_size, 1)))
         elif policy.kind == PRIORITIZED:
-            out.append(priority_weights(priorities, policy.exponent) / sum(masses.values()))
+            out.append(priority_weights(priorities, policy.exponent) / total_mass)
         else:
             out.append(np.asarray(probabilities, np.float64))
     return global_size, out

@@ -109,3 +109,115 @@ def test_policy_of_options():
     assert Policy.of(pb.SelectorOptions(heap=pb.HeapOptions(min_heap=True))).min_heap
     with pytest.raises(ValueError):
         Policy.of(pb.SelectorOptions())
+
+
+def _chunk(first_key, n, steps):
+    """A read-ahead chunk whose every field tells its item (key k: probability k/1000, priority k, ...)."""
+    keys = np.arange(first_key, first_key + n)
+    obs = np.stack([np.full((steps, 2), k, np.float32) for k in keys])
+    return SampledBatch(keys.astype(np.uint64), keys / 1000.0, keys.astype(np.int64) * 10, keys * 1.0,
+                        keys.astype(np.int32), [keys.astype(np.int64), obs],
+                        np.stack([np.ones(n), np.full(n, steps)], axis=1).astype(np.int32),
+                        nest.structure_of((0, 0)), (True, False), plane="shm")
+
+
+def test_pieces_of_several_chunks_are_assembled_in_one_pass_aligned_and_shuffled():
+    """A shard whose count spans chunks gives views of them; all pieces join one batch, every row whole."""
+    from gear_client.sharding.assembly import rows
+
+    a1, a2, b = _chunk(100, 6, 4), _chunk(200, 6, 4), _chunk(300, 5, 7)
+    pieces = [rows(a1, 2, 6), rows(a2, 0, 3), rows(b, 0, 5)]  # shard A: leftover + a new chunk; shard B: 5
+    assert np.shares_memory(pieces[0].columns[1], a1.columns[1])
+    positions = []
+    for seed in range(8):
+        batch = assemble(pieces, np.random.default_rng(seed))
+        keys = batch.keys.astype(np.int64)
+        assert sorted(keys.tolist()) == [102, 103, 104, 105, 200, 201, 202, 300, 301, 302, 303, 304]
+        flag, obs = batch.columns
+        assert obs.shape == (12, 7, 2) and flag.shape == (12,)
+        np.testing.assert_array_equal(flag, keys)
+        np.testing.assert_allclose(batch.probabilities, keys / 1000.0)
+        np.testing.assert_array_equal(batch.table_sizes, keys * 10)
+        np.testing.assert_array_equal(batch.priorities, keys * 1.0)
+        np.testing.assert_array_equal(batch.times_sampled, keys)
+        steps = np.where(keys >= 300, 7, 4)
+        np.testing.assert_array_equal(batch.lengths[:, 1], steps)
+        for i, key in enumerate(keys.tolist()):
+            assert np.all(obs[i, :steps[i]] == key) and np.all(obs[i, steps[i]:] == 0)
+        positions.append(tuple(np.flatnonzero(keys < 200)))
+    assert len(set(positions)) > 1  # a piece does not sit at fixed rows
+    assert batch.columns[1].base is None or not np.shares_memory(batch.columns[1], a1.columns[1])
+
+
+def test_assembly_refuses_pieces_of_other_dtypes_naming_the_column():
+    other = _chunk(1, 2, 4)
+    other.columns[1] = other.columns[1].astype(np.float64)
+    with pytest.raises(ValueError, match="column 1"):
+        assemble([_chunk(10, 2, 4), other], np.random.default_rng(0))
+
+
+def test_gpu_assembly_tasks_carried_out_on_the_host_give_the_host_batch():
+    """The assembly kernel's task table (source, destination, bytes copied, row bytes; the row's tail zeroed),
+    done here with memmove, yields exactly the batch the host path assembles from the same permutation."""
+    import ctypes
+
+    from gear_client.sharding.assembly import plan_rows, rows
+
+    a, b = _chunk(100, 6, 4), _chunk(300, 5, 7)
+    pieces = [rows(a, 1, 6), rows(b, 0, 5), rows(a, 0, 1)]
+    want = assemble(pieces, np.random.default_rng(5))
+    order = np.random.default_rng(5).permutation(11)
+    sizes = [len(p) for p in pieces]
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    row_bytes = [c[0].nbytes for c in want.columns]
+    offsets = [0, 256 * -(-11 * row_bytes[0] // 256)]
+    out = np.full(offsets[1] + 11 * row_bytes[1], 0xEE, np.uint8)  # stale bytes: the padding must be written
+    held = [[np.ascontiguousarray(p.columns[c]) for p in pieces] for c in range(2)]
+    sources = [[(x.ctypes.data, x[0].nbytes) for x in column] for column in held]
+    tasks = plan_rows(sources, sizes, order, starts, [out.ctypes.data + o for o in offsets], row_bytes)
+    assert tasks.shape == (2, 11, 4)
+    for src, dst, copy, row in tasks.reshape(-1, 4).tolist():
+        ctypes.memmove(dst, src, copy)
+        ctypes.memset(dst + copy, 0, row - copy)
+    for c, column in enumerate(want.columns):
+        got = out[offsets[c]:offsets[c] + column.nbytes].view(column.dtype).reshape(column.shape)
+        np.testing.assert_array_equal(got, column)
+
+
+def test_host_assembly_reuses_a_buffer_only_once_its_batch_is_dropped():
+    from gear_client.sharding.assembly import HostAssembly
+
+    context = HostAssembly()
+    pieces = [_chunk(100, 6, 4), _chunk(300, 5, 7)]
+    held = assemble(pieces, np.random.default_rng(0), None, context)
+    snapshot = [c.copy() for c in held.columns]
+    second = assemble([_chunk(500, 6, 4), _chunk(700, 5, 7)], np.random.default_rng(1), None, context)
+    assert not np.shares_memory(held.columns[1], second.columns[1])
+    for kept, now in zip(snapshot, held.columns, strict=True):
+        np.testing.assert_array_equal(kept, now)  # the batch the learner holds is never written again
+    address = second.columns[1].ctypes.data
+    del second
+    third = assemble(pieces, np.random.default_rng(2), None, context)
+    assert third.columns[1].ctypes.data == address  # dropped: its buffer serves again (no fresh pages)
+    assert sorted(third.keys.tolist()) == sorted(held.keys.tolist())
+
+
+def test_global_probabilities_and_size_replace_the_pieces_own_row_for_row():
+    from gear_client.sharding.assembly import rows
+
+    a, b = _chunk(100, 6, 4), _chunk(300, 5, 7)
+    pieces = [rows(a, 1, 6), b]
+    flat = np.concatenate([p.keys for p in pieces]).astype(np.int64)
+    batch = assemble(pieces, np.random.default_rng(4), probabilities=flat / 7.0, table_size=77)
+    np.testing.assert_allclose(batch.probabilities, batch.keys.astype(np.int64) / 7.0)
+    assert set(batch.table_sizes.tolist()) == {77}
+    single = assemble([_chunk(500, 3, 4)], np.random.default_rng(0), probabilities=np.full(3, 0.25), table_size=9)
+    assert single.probabilities.tolist() == [0.25] * 3 and single.table_sizes.tolist() == [9] * 3
+
+
+def test_gpu_assembly_plan_refuses_a_piece_wider_than_the_batch_row():
+    from gear_client.sharding.assembly import plan_rows
+
+    with pytest.raises(ValueError, match="column 1: a piece's rows \\(96 bytes\\) exceed the batch's \\(64\\)"):
+        plan_rows([[(0, 8), (0, 8)], [(0, 64), (0, 96)]], [2, 3], np.arange(5), np.array([0, 2]), [0, 4096],
+                  [8, 64])

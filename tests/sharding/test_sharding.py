@@ -130,6 +130,37 @@ def test_read_ahead_streams_match_one_table_too(cluster):
         client.close()
 
 
+def test_read_ahead_batch_is_one_copy_of_every_shards_pieces(cluster, monkeypatch):
+    """A shard whose count spans several chunks of its stream is not assembled on its own first: each
+    batch is one assembly of all pieces (views of the chunks), rows lined up with keys and infos."""
+    from gear_client.sharding import sampler as sampler_module
+
+    calls = []
+    real = sampler_module.assemble
+
+    def counting(pieces, *args, **kwargs):
+        calls.append([len(p) for p in pieces])
+        return real(pieces, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "assemble", counting)
+    client = _sharded(cluster, seed=SEED)
+    stream = client.sampler("uni").batches(60)  # streams of 60-item chunks; shard 2 takes ~32 a batch
+    try:
+        ids_of_key: dict[int, int] = {}
+        for _ in range(8):
+            batch = next(stream)
+            ids = _ids(batch)
+            assert len(batch) == 60 and set(batch.table_sizes.tolist()) == {sum(SIZES)}
+            np.testing.assert_allclose(batch.probabilities, 1.0 / sum(SIZES))
+            for key, item in zip(batch.keys.tolist(), ids.tolist(), strict=True):
+                assert ids_of_key.setdefault(key, item) == item  # a row's key and data belong together
+    finally:
+        stream.close()
+        client.close()
+    assert len(calls) == 8 and all(sum(c) == 60 for c in calls)  # one assembly per batch, nothing before it
+    assert max(len(c) for c in calls) > NUM_SHARDS  # some shard gave pieces of several chunks
+
+
 def test_uniform_matches_one_table_and_keys_are_unique(cluster):
     client = _sharded(cluster, seed=SEED)
     try:
