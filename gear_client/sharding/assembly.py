@@ -26,7 +26,6 @@ gather while the kernel still reads it.
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections import deque
@@ -43,39 +42,6 @@ _TASK_FIELDS = 4  # per task: source address, destination address, bytes copied,
 _BLOCK_THREADS = 256
 _BLOCK_BYTES = 16 << 10  # bytes of a row one block writes (256 threads x 16 B x 4)
 
-_ASSEMBLE_CU = r"""
-template <typename T>
-__device__ __forceinline__ void copy_span(const char* src, char* dst, long long copy, long long begin,
-                                          long long end) {
-    for (long long i = begin + (long long)threadIdx.x * (long long)sizeof(T); i < end;
-         i += (long long)blockDim.x * (long long)sizeof(T)) {
-        T v = T();
-        if (i < copy) v = *reinterpret_cast<const T*>(src + i);
-        *reinterpret_cast<T*>(dst + i) = v;
-    }
-}
-
-// One task per output row: copy `copy` bytes from src, zero the row's bytes after them.
-extern "C" __global__ void gear_assemble_rows(const long long* __restrict__ tasks, long long num_tasks,
-                                              long long blocks_per_task, long long block_bytes) {
-    long long task = (long long)blockIdx.x / blocks_per_task;
-    if (task >= num_tasks) return;
-    long long begin = ((long long)blockIdx.x - task * blocks_per_task) * block_bytes;
-    const long long* t = tasks + 4 * task;
-    long long row = t[3];
-    if (begin >= row) return;
-    long long end = begin + block_bytes < row ? begin + block_bytes : row;
-    const char* src = reinterpret_cast<const char*>(t[0]);
-    char* dst = reinterpret_cast<char*>(t[1]);
-    long long copy = t[2];
-    unsigned long long align = (unsigned long long)t[0] | (unsigned long long)t[1] | (unsigned long long)copy
-                               | (unsigned long long)row;
-    if ((align & 15) == 0) copy_span<uint4>(src, dst, copy, begin, end);
-    else if ((align & 7) == 0) copy_span<unsigned long long>(src, dst, copy, begin, end);
-    else if ((align & 3) == 0) copy_span<unsigned int>(src, dst, copy, begin, end);
-    else copy_span<unsigned char>(src, dst, copy, begin, end);
-}
-"""
 
 
 def assemble(pieces: list[SampledBatch], rng: np.random.Generator, device: Any = None,
@@ -245,12 +211,14 @@ def plan_rows(sources: Any, sizes: list[int], order: np.ndarray, starts: np.ndar
     return tasks
 
 
-@functools.cache
 def _kernel(device: int) -> Any:
+    """gear_kernels/assemble.cu's kernel, loaded for ``device``."""
     import cupy as cp
 
+    from gear_kernels._backend import kernel
+
     with cp.cuda.Device(device):
-        return cp.RawKernel(_ASSEMBLE_CU, "gear_assemble_rows", options=("--std=c++17",))
+        return kernel("assemble", "gear_assemble_rows")
 
 
 class DeviceAssembly:
