@@ -14,10 +14,14 @@ client sees them as one table (``reverb.Client([a, b, ...])``). Figures:
            With inline collection on a small machine, the per-shard overhead: ms per batch
            against one daemon.
 * select   prioritized selection of 4096 over 4 shards of ``--prio-items`` one-step items
-           each, end to end (masses asked, batch split, each shard selects its part, the
-           parts' 8-byte items collected and assembled). Goal: under 100 us at 1M items.
+           each. Goal: under 100 us at 1M items. (a) selection alone, end to end per batch
+           (masses asked or reused, batch split, the shards' Selects fanned out at once, keys
+           and global probabilities back, nothing collected); (b) selection read ahead (Selects
+           of one or 8 batches' picks in flight per shard, as the read-ahead streams send them):
+           the cost per batch on the learner's path; (c) with collection: sample() (the parts'
+           8-byte items collected and assembled) and read-ahead batches().
 
-Usage: python bench/bench_shards.py [--full] [--device cuda] [--json PATH]
+Usage: python bench/bench_shards.py [--full] [--device cuda] [--no-insert] [--shards N ...] [--json PATH]
 (``make bench-shards``: small, CPU, inline collection; ``make bench-shards-gpu``: full, on the GPU machine,
 each shard over its best plane: shm here.)
 """
@@ -128,39 +132,101 @@ class Daemons:
 
 # ---------------------------------------------------------------- inserts --
 
-def _actor(addresses: list[str], writers: int, seconds: float, seed: int, out) -> None:
+def _actor(addresses: list[str], shard: int, seconds: float, seed: int, ready, go, out) -> None:
+    """One actor process: a ShardedClient over every daemon and ONE trajectory writer, on daemon ``shard``.
+
+    A real actor runs one environment loop whose writer goes to its own host's daemon; here every daemon is
+    on this host, where the routing takes this host's daemons in turn from a random start, so the actor keeps
+    the one of its client's next N writers (which cover the N daemons) that landed on its daemon: every
+    daemon gets the same number of actors at every N. (The first version gave each actor N writers, one per
+    daemon, rotating items over them: each actor then paid N streams, N sets of column buffers and N segment
+    mappings, so the per-actor cost grew with N, which no real placement has; and its clock ran from before
+    the first item, across the spawn stagger of the other actors.) After a warm-up (stream or insert plane
+    open, the layout known) it reports ready, waits for ``go`` (every actor starts together), writes for
+    ``seconds`` and reports (shard, items, seconds, process CPU seconds, path).
+    """
+    import resource
+
     import gear_client as reverb
 
     client = reverb.Client(addresses, seed=seed)
     pool = bench_core._trajectories(4, seed)
     steps = [[{k: tr[k][t] for k in tr} for t in range(bench_core.STEPS)] for tr in pool]
-    ws = [client.trajectory_writer(num_keep_alive_refs=bench_core.STEPS) for _ in range(writers)]
+    writer, others = None, []
+    for _ in range(len(addresses)):
+        w = client.trajectory_writer(num_keep_alive_refs=bench_core.STEPS)
+        if w._client.server_address == addresses[shard]:
+            writer = w
+            break
+        others.append(w)
+    for w in others:
+        w.close()
+    if writer is None:
+        raise RuntimeError(f"no writer of {len(addresses)} landed on {addresses[shard]}")
+
+    def one(i: int) -> None:
+        for step in steps[i % len(steps)]:
+            writer.append(step)
+        writer.create_item("t", 1.0, {k: writer.history[k][-bench_core.STEPS:] for k in ("obs", "action", "reward")})
+
+    for i in range(3):
+        one(i)
+    writer.flush()
+    path = "insert plane" if writer._same_host.writer is not None else "InsertStream"
+    ready.put(os.getpid())
+    go.wait()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
     items = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        w = ws[items % len(ws)]
-        for step in steps[items % len(steps)]:
-            w.append(step)
-        w.create_item("t", 1.0, {k: w.history[k][-bench_core.STEPS:] for k in ("obs", "action", "reward")})
+        one(items)
         items += 1
-    for w in ws:
-        w.flush()
-        w.close()
-    out.put((items, time.perf_counter() - start))
+    writer.flush()
+    elapsed = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    writer.close()
+    client.close()
+    out.put((shard, items, elapsed, usage.ru_utime + usage.ru_stime - cpu0, path))
 
 
 def bench_insert(addresses: list[str], actors: int, seconds: float) -> dict[str, Any]:
+    """``actors`` same-host actor processes, actor i on daemon i % N, all writing at once for ``seconds``.
+
+    Aggregate GB/s (every actor's items over the longest actor's time) and per actor: GB/s and CPU
+    microseconds per item (a per-actor cost that grows with N is the client's; a rate that falls at
+    the same CPU per item means the actors wait: daemons or cores).
+    """
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_actor, args=(addresses, len(addresses), seconds, i, out)) for i in range(actors)]
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    n = len(addresses)
+    procs = [ctx.Process(target=_actor, args=(addresses, i % n, seconds, i, ready, go, out)) for i in range(actors)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=seconds + 120) for _ in procs]
-    for p in procs:
-        p.join(30)
-    items = sum(r[0] for r in results)
-    elapsed = max(r[1] for r in results)
-    return {"items": items, "actors": actors, "gbps": items * ITEM_BYTES / elapsed / 1e9}
+    try:
+        for _ in procs:
+            ready.get(timeout=180)
+        go.set()
+        results = [out.get(timeout=seconds + 120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+    items = sum(r[1] for r in results)
+    elapsed = max(r[2] for r in results)
+    per_actor = [r[1] * ITEM_BYTES / r[2] / 1e9 for r in results]
+    cpu_us = [r[3] / max(r[1], 1) * 1e6 for r in results]
+    per_shard = [0] * n
+    for r in results:
+        per_shard[r[0]] += 1
+    print(f"  insert: {actors} actors ({'+'.join(map(str, per_shard))} per daemon, {results[0][4]}): "
+          f"per actor {min(per_actor):.3f}-{max(per_actor):.3f} GB/s (mean {np.mean(per_actor):.3f}), "
+          f"{np.median(cpu_us):.0f} us CPU per item", flush=True)
+    return {"items": items, "actors": actors, "gbps": items * ITEM_BYTES / elapsed / 1e9,
+            "per_actor_gbps": per_actor, "actor_gbps_mean": float(np.mean(per_actor)),
+            "cpu_us_per_item": float(np.median(cpu_us)), "actors_per_daemon": per_shard,
+            "paths": sorted({r[4] for r in results})}
 
 
 # ---------------------------------------------------------------- learner pull --
@@ -204,9 +270,116 @@ def _fill_prio(address: str, items: int, seed: int) -> None:
                 w.flush()
 
 
+class _Sessions:
+    """One data-plane session per shard, for Selects without collection (keys, probabilities, leases only).
+
+    The client's samplers always collect what they select; these sessions show
+    what selection alone costs: the same Select RPC the shm plane sends, its
+    lease ended by the shard's next Select (or at close).
+    """
+
+    def __init__(self, addresses: list[str], table: str):
+        from gear_client.data_planes.session import PlaneSession
+        from gear_client.data_planes.targets import connect
+        from gear_contract import negotiation
+        from gear_contract._proto import replay_pb2 as pb
+
+        self.channels, self.sessions = [], []
+        offer = negotiation.build_offer([negotiation.SHM], negotiation.local_host_id(), None)
+        for address in addresses:
+            stub, _, channel, _ = connect(address)
+            self.channels.append(channel)
+            response = stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=table, offer=offer), timeout=30)
+            if response.kind != negotiation.SHM:
+                raise RuntimeError(f"{address} offered {response.kind!r}, not shm: selection alone needs a session")
+            self.sessions.append(PlaneSession(stub, table, response))
+        self.release: list[list[int]] = [[] for _ in addresses]  # per shard: leases its next Select ends
+
+    def select(self, counts: dict[int, int]) -> dict[int, Any]:
+        """Every shard's Select at once (gRPC futures, no thread hop); shard -> its ItemSelection."""
+        pending = {}
+        for shard, n in counts.items():
+            pending[shard] = self.sessions[shard].select_async(n, None, None, self.release[shard])
+            self.release[shard] = []
+        out = {}
+        for shard, call in pending.items():
+            selection, _ = call.result()
+            self.release[shard].append(selection.lease_id)
+            out[shard] = selection
+        return out
+
+    def close(self) -> None:
+        for session, channel in zip(self.sessions, self.channels, strict=True):
+            session.close()  # ends the leases still held
+            if channel is not None:
+                channel.close()
+
+
+class _SelectAhead:
+    """Selections read ahead per shard as the read-ahead streams do (gear_client/sharding/streams.py), without
+    collection: a thread per shard keeps ``prefetch`` Selects of ``chunk`` picks in flight and queues their
+    answers; a batch takes its split's count from every shard's picks in order and is globalised."""
+
+    def __init__(self, sessions: _Sessions, chunk: int, prefetch: int, depth: int = 2):
+        import queue
+        import threading
+
+        self.sessions, self.chunk, self.prefetch = sessions, chunk, prefetch
+        n = len(sessions.sessions)
+        self.queues = [queue.Queue(maxsize=depth) for _ in range(n)]
+        self.left: list[tuple[np.ndarray, ...] | None] = [None] * n  # picks of a chunk not yet taken
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, shard: int) -> None:
+        import queue
+        from collections import deque
+
+        session, pending = self.sessions.sessions[shard], deque()
+        release, self.sessions.release[shard] = self.sessions.release[shard], []
+        while not self.stop.is_set():
+            while len(pending) < self.prefetch:
+                pending.append(session.select_async(self.chunk, None, None, release))
+                release = []
+            selection, _ = pending.popleft().result()
+            release.append(selection.lease_id)  # ended by this shard's next Select
+            _, probs, sizes, prios, _ = selection.infos
+            while not self.stop.is_set():
+                try:
+                    self.queues[shard].put((prios, probs, sizes), timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+        for call in pending:  # nothing left in flight; their leases end with the session
+            call.result()
+
+    def take(self, shard: int, n: int) -> tuple[np.ndarray, ...]:
+        got, have = [], 0
+        while have < n:
+            picks = self.left[shard] if self.left[shard] is not None else self.queues[shard].get(timeout=30)
+            self.left[shard] = None
+            k = min(n - have, len(picks[0]))
+            got.append(tuple(f[:k] for f in picks))
+            if k < len(picks[0]):
+                self.left[shard] = tuple(f[k:] for f in picks)
+            have += k
+        return got[0] if len(got) == 1 else tuple(np.concatenate(f) for f in zip(*got, strict=True))
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
 def bench_select(addresses: list[str], items: int, reps: int) -> dict[str, Any]:
+    """Prioritized selection of SELECT_BATCH over the shards: (a) selection alone, one batch at a time
+    (the Selects fanned out at once, keys and probabilities back, nothing collected); (b) selection read
+    ahead, amortised per batch on the learner's path; (c) with collection (sample(), read-ahead batches())."""
     import gear_client as reverb
     from gear_client.sharding import sharded_sampler
+    from gear_client.sharding.selection import globalise, split
 
     ctx = mp.get_context("spawn")
     fill_start = time.perf_counter()
@@ -218,6 +391,53 @@ def bench_select(addresses: list[str], items: int, reps: int) -> dict[str, Any]:
     fill_s = time.perf_counter() - fill_start
     client = reverb.Client(addresses)
     sampler = client.sampler("p")
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"items_per_shard": items, "fill_s": fill_s}
+
+    # (a) selection alone: masses asked (ServerInfo fan-out) or reused, split, Selects fanned out, globalised
+    sessions = _Sessions(addresses, "p")
+    policy, weights = sampler.weights()
+    shard_of = {s.index: addresses.index(s.address) for s in sampler.shards.shards}  # shard -> its session
+
+    def select_once(fresh: bool) -> int:
+        nonlocal policy, weights
+        if fresh:
+            policy, weights = sampler.weights()
+        counts = split(policy, list(weights.values()), SELECT_BATCH, rng)
+        got = sessions.select({shard_of[s]: n for s, n in counts.items()})
+        globalise(policy, weights, {s: (got[shard_of[s]].infos[3], got[shard_of[s]].infos[1],
+                                        got[shard_of[s]].infos[2]) for s in counts})
+        return sum(len(g) for g in got.values())
+
+    for fresh, key in ((True, "select_only_us"), (False, "select_only_cached_us")):
+        for _ in range(5):
+            select_once(fresh)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            assert select_once(fresh) == SELECT_BATCH
+            times.append(time.perf_counter() - t0)
+        out[key] = float(np.median(times)) * 1e6
+        out[key.replace("_us", "_p90_us")] = float(np.percentile(times, 90)) * 1e6
+    # (b) read ahead: Selects of several batches' picks per shard in flight, a batch taken from them
+    def one_batch(ahead: _SelectAhead) -> None:
+        counts = split(policy, list(weights.values()), SELECT_BATCH, rng)
+        globalise(policy, weights, {s: ahead.take(shard_of[s], n) for s, n in counts.items()})
+
+    for per_select in (1, 8):
+        ahead = _SelectAhead(sessions, per_select * -(-SELECT_BATCH // len(addresses)), prefetch=2)
+        for _ in range(2 * per_select):
+            one_batch(ahead)
+        n = max(reps, 4 * per_select)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        for _ in range(n):
+            one_batch(ahead)
+        out[f"select_ahead_{per_select}_us"] = (time.perf_counter() - t0) / n * 1e6
+        out[f"select_ahead_{per_select}_cpu_us"] = (time.thread_time() - cpu0) / n * 1e6  # the learner's thread
+        ahead.close()
+    sessions.close()
+
+    # (c) with collection, as a learner gets batches: sample() (one round trip per part), read ahead (batches())
     for _ in range(3):
         sampler.sample(SELECT_BATCH)
     total, weights_s = [], []
@@ -252,10 +472,10 @@ def bench_select(addresses: list[str], items: int, reps: int) -> dict[str, Any]:
         streamed_s.append(time.perf_counter() - t0)
     streamed.close()
     client.close()
-    return {"items_per_shard": items, "fill_s": fill_s, "us_median": float(np.median(total)) * 1e6,
-            "us_p90": float(np.percentile(total, 90)) * 1e6, "mass_query_us": float(np.median(weights_s)) * 1e6,
-            "cached_split_us": float(np.median(cached_s)) * 1e6, "streamed_us": float(np.median(streamed_s)) * 1e6,
-            "planes": sorted(set(kinds.values()))}
+    out.update({"us_median": float(np.median(total)) * 1e6, "us_p90": float(np.percentile(total, 90)) * 1e6,
+                "mass_query_us": float(np.median(weights_s)) * 1e6, "cached_split_us": float(np.median(cached_s)) * 1e6,
+                "streamed_us": float(np.median(streamed_s)) * 1e6, "planes": sorted(set(kinds.values()))})
+    return out
 
 
 # ---------------------------------------------------------------- driver --
@@ -279,14 +499,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="gear-bench-shards-") as tmp:
             daemons = Daemons(n, Path(tmp), max_size=args.items_per_shard, prio_items=0)
             try:
-                r = {"insert": bench_insert(daemons.addresses, n * args.actors_per_shard, args.seconds)}
+                r = {}
+                if not args.no_insert:
+                    r["insert"] = bench_insert(daemons.addresses, n * args.actors_per_shard, args.seconds)
+                else:  # the learner reads what actors wrote: fill the tables without timing it
+                    bench_insert(daemons.addresses, n, min(args.seconds, 2.0))
                 r["pull"] = bench_pull(daemons.addresses, args.batch, args.seconds, planes, args.device)
             finally:
                 daemons.stop()
         results["shards"][n] = r
-        print(f"  {n} daemon(s): insert {r['insert']['gbps']:.3f} GB/s ({r['insert']['actors']} actors), "
-              f"pull {r['pull']['gbps']:.3f} GB/s, {r['pull']['ms_per_batch']:.1f} ms/batch over "
-              f"{r['pull']['plane']}", flush=True)
+        inserted = f"insert {r['insert']['gbps']:.3f} GB/s ({r['insert']['actors']} actors), " if "insert" in r else ""
+        print(f"  {n} daemon(s): {inserted}pull {r['pull']['gbps']:.3f} GB/s, {r['pull']['ms_per_batch']:.1f} "
+              f"ms/batch over {r['pull']['plane']}", flush=True)
     if args.prio_items > 0:
         with tempfile.TemporaryDirectory(prefix="gear-bench-shards-") as tmp:
             daemons = Daemons(SELECT_SHARDS, Path(tmp), max_size=16, prio_items=args.prio_items)
@@ -303,8 +527,8 @@ def print_results(r: dict[str, Any]) -> None:
     print(f"{'daemons':>8} {'insert GB/s':>12} {'x one':>7} {'goal':>6} {'pull GB/s':>10} {'ms/batch':>9} "
           f"{'+ms/shard':>10}  plane")
     for n, s in r["shards"].items():
-        ins, pull = s["insert"]["gbps"], s["pull"]
-        ratio = ins / one["insert"]["gbps"] if one else float("nan")
+        ins, pull = s["insert"]["gbps"] if "insert" in s else float("nan"), s["pull"]
+        ratio = ins / one["insert"]["gbps"] if one and "insert" in one else float("nan")
         extra = (pull["ms_per_batch"] - one["pull"]["ms_per_batch"]) / (n - 1) if one and n > 1 else 0.0
         goal = GOALS["insert_scaling"] * n
         print(f"{n:>8} {ins:>12.3f} {ratio:>7.2f} {goal:>6.1f} {pull['gbps']:>10.3f} {pull['ms_per_batch']:>9.2f} "
@@ -315,12 +539,17 @@ def print_results(r: dict[str, Any]) -> None:
               f"{PCIE_GBPS} GB/s (goal >= {GOALS['pull_vs_pcie']})")
     sel = r.get("select")
     if sel:
-        print(f"prioritized select {SELECT_BATCH} over {SELECT_SHARDS} shards of {sel['items_per_shard']} items: "
-              f"{sel['us_median']:.0f} us median, {sel['us_p90']:.0f} us p90 (goal < {GOALS['select_us']:.0f} us; "
-              f"mass query alone {sel['mass_query_us']:.0f} us; split by masses <= 1 s old: "
-              f"{sel['cached_split_us']:.0f} us; read ahead from the shards' streams: {sel['streamed_us']:.0f} us "
-              f"a batch; planes {'+'.join(sel['planes'])}; "
-              f"fill {sel['fill_s']:.0f} s)")
+        print(f"prioritized selection of {SELECT_BATCH} over {SELECT_SHARDS} shards of {sel['items_per_shard']} items "
+              f"(goal < {GOALS['select_us']:.0f} us; fill {sel['fill_s']:.0f} s):")
+        print(f"  (a) selection alone, one batch: {sel['select_only_us']:.0f} us median "
+              f"({sel['select_only_p90_us']:.0f} p90) with the masses asked; {sel['select_only_cached_us']:.0f} us "
+              f"({sel['select_only_cached_p90_us']:.0f} p90) with masses reused")
+        print(f"  (b) selection read ahead, per batch on the learner's path: {sel['select_ahead_1_us']:.0f} us "
+              f"(one batch per Select), {sel['select_ahead_8_us']:.0f} us (8 batches per Select); the learner "
+              f"thread's CPU {sel['select_ahead_1_cpu_us']:.0f} / {sel['select_ahead_8_cpu_us']:.0f} us a batch")
+        print(f"  (c) with collection: sample() {sel['us_median']:.0f} us median ({sel['us_p90']:.0f} p90; mass query "
+              f"alone {sel['mass_query_us']:.0f} us; masses <= 1 s old: {sel['cached_split_us']:.0f} us); read ahead "
+              f"from the shards' streams: {sel['streamed_us']:.0f} us a batch; planes {'+'.join(sel['planes'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items-per-shard", type=int, default=None, help="table size per daemon (inserts, pull)")
     parser.add_argument("--prio-items", type=int, default=None, help="items per shard of the selection figure")
     parser.add_argument("--select-reps", type=int, default=50)
+    parser.add_argument("--no-insert", action="store_true", help="skip the insert figure (tables filled untimed)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     full = args.full

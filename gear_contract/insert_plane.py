@@ -17,6 +17,15 @@ the daemon's interpreter. One ``SlotWriter`` owns one ``InsertPlane`` stream
   while the rows were written) is finished here: the uncommitted items' rows
   are copied from the old mapping (still mapped) into the new segment and
   committed again;
+* a mapping is not populated whole: the writer maps the page-table entries of
+  the slots it reserves (``madvise(MADV_POPULATE_READ)``, Linux 5.14+, in the
+  stream's reader thread, off the writing thread's path), so its cost follows
+  the items it writes, not the table's capacity. Populating whole segments
+  made every writer pay for every slot of every version the table grew
+  through (the cost of an actor grew with the number of shards it writes to),
+  and it allocated the whole capacity of a sparse segment (tmpfs allocates
+  pages on read faults), where the daemon allocates rows as slots fill. Older
+  kernels populate segments up to ``POPULATE_MAX_BYTES`` whole at map time;
 * ``fits`` says whether an item can take this path: the table has a layout
   and the item has its structure, dtypes, step shapes and fits a slot.
   Anything else goes over InsertStream (a table still learning its layout, a
@@ -28,10 +37,12 @@ The segment is mapped read-write: the writer must run as the daemon's user
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -48,8 +59,10 @@ from gear_contract.negotiation import local_host_id
 INSERT_PLANE_METHOD = "/gear.v1.ReplayService/InsertPlane"
 DEFAULT_RESERVE_AHEAD = 16
 MAX_COMMIT_BATCH = 256
-# Segments up to this size are mapped with MAP_POPULATE (as the learners' shm plane maps them).
+# Without per-range populating (kernels before 5.14), segments up to this size are mapped with MAP_POPULATE.
 POPULATE_MAX_BYTES = 8 << 30
+MADV_POPULATE_READ = 22  # Linux 5.14+; a read populate maps shared-memory pages writable (no write notification)
+PAGE = mmap.PAGESIZE
 
 
 class InsertPlaneUnavailable(RuntimeError):
@@ -64,11 +77,53 @@ class SegmentGone(InsertPlaneUnavailable):
     """The segment of a layout no longer exists: the table moved to a newer one."""
 
 
+_populate_fn: object = None  # None: not probed yet; False: unsupported; else libc's madvise
+_probe_lock = threading.Lock()
+
+
+def _madvise():
+    """libc's madvise when ``MADV_POPULATE_READ`` works here (probed once on an anonymous page), else None."""
+    global _populate_fn
+    with _probe_lock:
+        if _populate_fn is None:
+            _populate_fn = _probe_populate()
+    return _populate_fn or None
+
+
+def _probe_populate():
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        fn.restype = ctypes.c_int
+        probe = mmap.mmap(-1, PAGE)
+        try:
+            anchor = ctypes.c_char.from_buffer(probe)
+            ok = fn(ctypes.addressof(anchor), PAGE, MADV_POPULATE_READ) == 0
+            del anchor
+        finally:
+            probe.close()
+    except (OSError, AttributeError, ValueError, BufferError):
+        return False
+    return fn if ok else False
+
+
+def populates_by_slot() -> bool:
+    """Whether writers map the pages of the slots they reserve only (else whole segments, at map time)."""
+    return _madvise() is not None
+
+
 class SegmentWriterMapping:
-    """A read-write mapping of one table segment version with a view per column."""
+    """A read-write mapping of one table segment version with a view per column.
+
+    The page-table entries of a slot are made when the slot is first reserved in this mapping
+    (``claim`` under the writer's lock, then ``populate`` outside it), not for the whole segment.
+    """
 
     def __init__(self, layout: TableLayout):
         self.layout = layout
+        self._madvise = _madvise()
         try:
             fd = os.open(layout.segment, os.O_RDWR)
         except FileNotFoundError as e:
@@ -81,12 +136,54 @@ class SegmentWriterMapping:
                 raise InsertPlaneUnavailable(f"segment {layout.segment} holds {size} bytes, the layout needs "
                                              f"{layout.segment_size}")
             flags = mmap.MAP_SHARED
-            if layout.segment_size <= POPULATE_MAX_BYTES:
+            if self._madvise is None and layout.segment_size <= POPULATE_MAX_BYTES:
                 flags |= getattr(mmap, "MAP_POPULATE", 0)  # page-table entries now, not a fault per page written
             self._mmap = mmap.mmap(fd, layout.segment_size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.views = [layout.column_view(self._mmap, c) for c in range(len(layout.columns))]
+        self._populated = np.zeros(layout.capacity, dtype=bool) if self._madvise is not None else None
+        if self._populated is not None:
+            anchor = ctypes.c_char.from_buffer(self._mmap)  # the export ends with ``anchor``; the address stays
+            self._address = ctypes.addressof(anchor)
+            del anchor
+
+    def claim(self, slots: Sequence[int]) -> list[int]:
+        """The slots among ``slots`` not yet populated in this mapping, marked as populated (writer's lock held)."""
+        if self._populated is None:
+            return []
+        out = []
+        for slot in slots:
+            if 0 <= slot < len(self._populated) and not self._populated[slot]:
+                self._populated[slot] = True
+                out.append(slot)
+        return out
+
+    def populate(self, slots: Sequence[int]) -> None:
+        """Map the pages of ``slots`` (every column's whole slot) now, one call per run of adjacent pages.
+
+        Only an optimisation: a range that fails (no memory at the moment) is faulted in by the copy.
+        Releases the GIL (a ctypes call), so the writing thread goes on meanwhile.
+        """
+        if self._madvise is None or not slots:
+            return
+        end_of_map = -(-self.layout.segment_size // PAGE) * PAGE
+        ranges = []
+        for col in self.layout.columns:
+            extent = col.max_length * col.step_bytes
+            for slot in slots:
+                start = col.slot_offset(slot)
+                ranges.append((start - start % PAGE, min(end_of_map, -(-(start + extent) // PAGE) * PAGE)))
+        ranges.sort()
+        merged = [list(ranges[0])]
+        for start, end in ranges[1:]:
+            if start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            if end > start:
+                self._madvise(self._address + start, end - start, MADV_POPULATE_READ)
 
     def write(self, slot: int, columns: Sequence[Sequence[np.ndarray]]) -> None:
         """Copy an item's rows (per column, pieces of ``[t, *shape]``, concatenated) into ``slot``."""
@@ -157,6 +254,7 @@ class SlotWriter:
         self._max_reservations = 1 << 30
         self._opened = threading.Event()
         self._answered = 0  # id of the last answered request
+        self._to_populate: list[tuple[SegmentWriterMapping, list[int]]] = []  # reader thread's, outside the lock
         call = channel.stream_stream(INSERT_PLANE_METHOD, request_serializer=pb.InsertPlaneRequest.SerializeToString,
                                      response_deserializer=pb.InsertPlaneResponse.FromString)
         self._call = call(self._requests(), wait_for_ready=True, metadata=metadata)
@@ -206,6 +304,9 @@ class SlotWriter:
                     elif kind == "commit":
                         self._on_committed(response.committed, payload)
                     self._cond.notify_all()
+                    jobs, self._to_populate = self._to_populate, []
+                for mapping, slots in jobs:
+                    mapping.populate(slots)
         except grpc.RpcError as e:
             error = e
         except BaseException as e:  # noqa: BLE001 - reported to the writer, never lost
@@ -249,6 +350,15 @@ class SlotWriter:
             state.reserving = True
             self._send(pb.InsertPlaneRequest(reserve=pb.ReserveSlots(table=state.name, count=1)), "reserve",
                        time.monotonic())
+        self._plan_populate(state)
+
+    def _plan_populate(self, state: _Table) -> None:
+        """Have the reader map the pages of the table's reserved slots not yet mapped in its newest
+        mapping (a new version maps them afresh) before the writer copies there (lock held)."""
+        if state.mapping is not None and state.pool:
+            slots = state.mapping.claim([s for s, _ in state.pool])
+            if slots:
+                self._to_populate.append((state.mapping, slots))
 
     def _on_committed(self, committed: pb.SlotsCommitted, batch: _Commit) -> None:
         self._commit_in_flight = None
@@ -266,6 +376,7 @@ class SlotWriter:
                 for item in rest:
                     old.copy_slot_to(new, item.slot, item.lengths)
                 self._commits.appendleft(_Commit(batch.table, new.layout.version, rest))
+                self._plan_populate(state)
             else:  # that segment is gone too: the same commit again brings the newest layout
                 self._commits.appendleft(_Commit(batch.table, batch.version, rest))
         self._send_commit()
