@@ -139,7 +139,7 @@ class Daemon:
         from gear_server.ingest.hook import Ingest, socket_path
 
         return Ingest(self.settings.ingest, self.tables, self.host_id, self.calls, socket_path=socket_path(self.store),
-                      auth=self.settings.auth, metrics=self.ops.metrics)
+                      auth=self.settings.auth, metrics=self.ops.metrics, limits=self.limits)
 
     def server_options(self) -> list[tuple[str, Any]]:
         return list(GRPC_OPTIONS)

@@ -14,6 +14,7 @@ from gear_server.auth import AuthSettings
 from gear_server.ingest.insert_plane import InsertPlaneManager
 from gear_server.ingest.settings import IngestSettings
 from gear_server.ingest.workers import WorkerPool
+from gear_server.limits import LimitSettings
 from gear_server.table_calls import TableCalls
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,12 @@ class Ingest:
     """
 
     def __init__(self, settings: IngestSettings | None, tables: Mapping[str, Any], host_id: str, calls: TableCalls, *,
-                 socket_path: str, auth: AuthSettings | None = None, metrics: Any = None):
+                 socket_path: str, auth: AuthSettings | None = None, metrics: Any = None,
+                 limits: LimitSettings | None = None):
         self.settings = settings or IngestSettings()
         self.settings.check()
         self.auth = auth
+        self.limits = limits  # the daemon's [limits]: each worker enforces them on its own streams
         self.socket_path = socket_path
         self.plane: InsertPlaneManager | None = None
         if self.settings.insert_plane:
@@ -67,7 +70,8 @@ class Ingest:
             return []
         os.chmod(self.socket_path, 0o600)
         self.pool = WorkerPool(self.settings.workers, f"unix:{self.socket_path}",
-                               self.settings.bind_address or bind_address, self.auth)
+                               self.settings.bind_address or bind_address, self.auth,
+                               limits=self.limits)
         return self.pool.start()
 
     def ports(self) -> list[int]:

@@ -8,54 +8,111 @@ shared-memory segment through the insert plane (``gear_contract.insert_plane``),
 committing them over the daemon's local socket. The daemon keeps the one index
 (selection, rate limiters, leases); the bytes never pass through its
 interpreter, so N workers use N cores. An item the insert plane cannot take
-(a table still learning its layout, or an item longer than its slots) is
-forwarded to the daemon's own InsertStream, after the worker's earlier items
-are committed (order kept).
+(a table still learning its layout, an item longer than its slots) and a
+writer's resent item (``PrioritizedItem.resend``: a key the table holds stays
+as it is, which a commit cannot say) are forwarded to the daemon's own
+InsertStream, after the request's earlier items are committed (order kept).
+
+The worker serves on grpc.aio, as the daemon does: an open stream is a task on
+the worker's event loop, so thousands of idle writers cost memory, not threads.
+What blocks (copying rows into the segment, waiting for their commit, which
+the rate limiter may hold) runs as a pool job with a ``SlotWriter`` lent for
+that request (idle writers are closed, their reservations given back); a
+stream between requests holds neither a thread nor a writer. Each table has
+its own share of the pool (``--threads`` jobs at once; the others wait holding
+no thread), so streams a table's rate limiter holds never keep another
+table's items waiting. The
+daemon's interceptors apply unchanged: the bearer token (``[auth]``), and
+``CallGuard`` (``[limits] max_streams``: RESOURCE_EXHAUSTED naming the key;
+unparsable bytes: INVALID_ARGUMENT). Chunk bytes a stream holds count against
+``[limits] max_stream_buffer_bytes`` and, per worker process,
+``max_buffered_bytes``.
 
 Acknowledgements, errors and back-pressure are InsertStream's: a request's keys
 are acknowledged once its items are committed (after the rate limiter let them
-in); a bad item ends the stream with INVALID_ARGUMENT.
+in); a bad item ends the stream with INVALID_ARGUMENT; an error of the daemon
+ends it with the daemon's status (keys committed before it are acknowledged).
 
 Run as ``python -m gear_server.ingest.worker --daemon unix:PATH --bind HOST``; it
-prints ``PORT <n>`` once it serves and exits when its parent daemon goes away.
-Security settings (the daemon's ``[auth]``) come as JSON in ``GEAR_INGEST_AUTH``.
+prints ``PORT <n>`` once it serves and exits on SIGTERM or when its parent
+daemon goes away. Security settings (the daemon's ``[auth]``) come as JSON in
+``GEAR_INGEST_AUTH``, limits (``[limits]``) in ``GEAR_INGEST_LIMITS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator
 from concurrent import futures
+from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 import numpy as np
+from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.channel import CHANNEL_OPTIONS
 from gear_contract.insert_plane import SlotWriter
 from gear_server.auth import AuthSettings
-from gear_server.errors import TableNotFoundError
-from gear_server.items import BadRequest, tensor_to_array
+from gear_server.daemon import GRPC_OPTIONS, _add_port
+from gear_server.errors import CallCancelled
+from gear_server.event_loop import new_event_loop
+from gear_server.interceptors import CallGuard
+from gear_server.items import BadRequest, PreparedItem, tensor_to_array
+from gear_server.limits import ByteBudget, LimitSettings, StreamBytes
 from gear_server.service import SERVICE_NAME, _Chunk, _serialize, build_item
+from gear_server.statuses import RefusalLog, abort_for, status_of
 
 log = logging.getLogger("gear_server.ingest.worker")
 
 ENV_AUTH = "GEAR_INGEST_AUTH"
-# Items written but not yet committed before the worker reads the next request.
-MAX_UNCOMMITTED_ITEMS = 64
+ENV_LIMITS = "GEAR_INGEST_LIMITS"
+# Pool jobs (copying rows into a table's segment, waiting for their commits) of one table at once. A job
+# waits as long as the table's rate limiter holds its commits (or reservations queued behind them), so
+# each table has its own share of the pool: one its limiter holds never keeps another's items waiting.
+DEFAULT_THREADS = 8
+# Tables whose jobs may hold their whole share at once (the pool has DEFAULT_THREADS * this many threads,
+# started as needed).
+TABLES_AT_ONCE = 8
+# A pooled SlotWriter unused this long is closed: the table gets its reserved slots back.
+WRITER_IDLE_S = 5.0
 _INSERT_STREAM = "/gear.v1.ReplayService/InsertStream"
+
+_Built = tuple[pb.PrioritizedItem, PreparedItem]
+
+
+class _Written:
+    """What one pool job put through the insert plane for a request (its caller may leave meanwhile)."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []  # written into slots, in order
+        self.committed: list[int] = []
+        self.error: BaseException | None = None
+        self.writer: SlotWriter | None = None  # lent to the job
+        self.next_table = False  # it stopped where another table's items start (not to be forwarded)
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """The caller left: end the job's writer so that its waits return (the daemon drops its commits)."""
+        self.abandoned = True
+        writer = self.writer
+        if writer is not None:
+            writer.abort()
 
 
 def forward_request(item: pb.PrioritizedItem, columns: list[list[np.ndarray]]) -> pb.InsertStreamRequest:
-    """One self-contained InsertStreamRequest for an item (a chunk per column)."""
+    """One self-contained InsertStreamRequest for an item (a chunk per column; its resend mark kept)."""
     request = pb.InsertStreamRequest()
-    out = request.items.add(key=item.key, table=item.table, priority=item.priority)
+    out = request.items.add(key=item.key, table=item.table, priority=item.priority, resend=item.resend)
     out.structure.CopyFrom(item.structure)
     for c, (pieces, column) in enumerate(zip(columns, item.columns, strict=True)):
         data = np.ascontiguousarray(pieces[0]) if len(pieces) == 1 else np.concatenate(pieces)
@@ -65,89 +122,330 @@ def forward_request(item: pb.PrioritizedItem, columns: list[list[np.ndarray]]) -
     return request
 
 
+class WriterPool:
+    """SlotWriters on the daemon's insert plane, lent to one request at a time (thread safe).
+
+    The most recently used is lent first, so a steady load keeps a few writers
+    warm; one idle for ``idle_s`` is closed (``close_idle``), giving its
+    reserved slots back to the table. A writer that failed is dropped.
+    """
+
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] | None,
+                 idle_s: float = WRITER_IDLE_S):
+        self._channel = channel
+        self._metadata = metadata
+        self.idle_s = float(idle_s)
+        self._lock = threading.Lock()
+        self._idle: list[tuple[SlotWriter, float]] = []  # (writer, when it came back), oldest first
+        self._lent: set[SlotWriter] = set()
+        self._closed = False
+
+    def take(self) -> SlotWriter:
+        """An idle writer, or a new one (opening it waits for the daemon's answer)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the ingest worker is stopping")
+            while self._idle:
+                writer, _ = self._idle.pop()
+                if writer.error is None and not writer.done:
+                    self._lent.add(writer)
+                    return writer
+                writer.abort()
+        writer = SlotWriter(self._channel, metadata=self._metadata)
+        with self._lock:
+            if not self._closed:
+                self._lent.add(writer)
+                return writer
+        writer.abort()
+        raise RuntimeError("the ingest worker is stopping")
+
+    def give(self, writer: SlotWriter) -> None:
+        """A writer back after a request (never blocks); one that failed or still has items uncommitted is
+        ended (the daemon gives its reservations back when the stream ends)."""
+        with self._lock:
+            self._lent.discard(writer)
+            if not (self._closed or writer.error is not None or writer.done or writer.in_flight):
+                self._idle.append((writer, time.monotonic()))
+                return
+        writer.abort()
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def close_idle(self, now: float | None = None) -> int:
+        """Close the writers idle for ``idle_s`` or more; how many were closed."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [w for w, since in self._idle if now - since >= self.idle_s]
+            self._idle = [(w, since) for w, since in self._idle if now - since < self.idle_s]
+        for writer in expired:
+            writer.close()
+        return len(expired)
+
+    def close(self) -> None:
+        """Close the idle writers and end the lent ones (their requests fail: the worker is stopping)."""
+        with self._lock:
+            self._closed = True
+            writers, self._idle = [w for w, _ in self._idle], []
+            lent = list(self._lent)
+        for writer in lent:
+            writer.abort()
+        for writer in writers:
+            writer.close()
+
+
+@dataclass
+class _Turn:
+    """A table's share of the pool: ``threads`` jobs at once, the rest wait holding no thread."""
+
+    semaphore: asyncio.Semaphore
+    users: int = 0  # jobs running or waiting (the entry goes with the last)
+
+
 class IngestService:
-    """InsertStream over the insert plane of the daemon at ``daemon_channel``."""
+    """InsertStream over the insert plane of the daemon at ``daemon_address`` (on the worker's event loop).
 
-    def __init__(self, daemon_channel: grpc.Channel, token: str | None = None):
-        self.channel = daemon_channel
+    ``start()`` on the loop before serving; ``close()`` after the server stopped.
+    """
+
+    def __init__(self, daemon_address: str, *, token: str | None = None, limits: LimitSettings | None = None,
+                 threads: int = DEFAULT_THREADS, writer_idle_s: float = WRITER_IDLE_S):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.daemon_address = daemon_address
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._forward = daemon_channel.stream_stream(_INSERT_STREAM, request_serializer=_serialize,
-                                                     response_deserializer=pb.InsertStreamResponse.FromString)
+        self.writers = WriterPool(grpc.insecure_channel(daemon_address, options=CHANNEL_OPTIONS), self.metadata,
+                                  writer_idle_s)
+        self.threads = int(threads)
+        self.executor = futures.ThreadPoolExecutor(max_workers=threads * TABLES_AT_ONCE,
+                                                   thread_name_prefix="gear-ingest")
+        self._turns: dict[str, _Turn] = {}  # tables with pool jobs running or waiting
+        self.buffers = ByteBudget(limits or LimitSettings())
+        self.refusals = RefusalLog(log)
+        self._channel: aio.Channel | None = None
+        self._forward = None
+        self._reaper: asyncio.Task | None = None
 
-    def add_to_server(self, server: grpc.Server) -> None:
+    async def start(self) -> None:
+        """The forwarding channel and the task closing idle writers (on the serving loop)."""
+        self._channel = aio.insecure_channel(self.daemon_address, options=CHANNEL_OPTIONS)
+        self._forward = self._channel.stream_stream(_INSERT_STREAM, request_serializer=_serialize,
+                                                    response_deserializer=pb.InsertStreamResponse.FromString)
+        self._reaper = asyncio.get_running_loop().create_task(self._close_idle_writers())
+
+    async def close(self) -> None:
+        """Stop closing idle writers, close the forwarding channel and every writer (lent ones are ended)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.writers.close)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _close_idle_writers(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.writers.idle_s / 2))
+            if self.writers.idle():
+                await loop.run_in_executor(None, self.writers.close_idle)
+
+    def add_to_server(self, server: aio.Server) -> None:
         handler = grpc.stream_stream_rpc_method_handler(
             self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString, response_serializer=_serialize)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"InsertStream": handler}),))
 
-    def InsertStream(self, request_iterator: Iterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
-                     context: grpc.ServicerContext) -> Iterator[pb.InsertStreamResponse]:
+    # ------------------------------------------------------------------ the RPC
+    async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
+                           context: aio.ServicerContext) -> AsyncIterator[pb.InsertStreamResponse]:
         chunks: dict[int, _Chunk] = {}
-        writer: SlotWriter | None = None
+        held = self.buffers.stream()
+        n = -1
         try:
-            for request in request_iterator:
+            async for request in request_iterator:
+                n += 1
                 try:
-                    for chunk in request.chunks:
-                        chunks[chunk.chunk_key] = _Chunk(
-                            tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1), chunk.episode_id,
-                            len(chunk.data.data))
+                    _receive_chunks(request, chunks, held)
                     built = [(item, build_item(item, chunks).validated()) for item in request.items]
                 except BadRequest as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                if built and writer is None:
-                    writer = SlotWriter(self.channel, metadata=self.metadata)
-                keys = []
-                for message, item in built:
-                    structure = message.structure.SerializeToString()
-                    if writer.fits(message.table, item.specs, item.lengths, structure):
-                        writer.write(message.table, item.key, item.priority, item.pieces, item.lengths,
-                                     item.episode_ids)
-                    else:
-                        self._drain(writer, 0, context)
-                        self._insert_directly(message, item.pieces, context)
-                    keys.append(item.key)
+                    self.refusals.info("InsertStream request %d refused: %s", n, e)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except Exception as e:  # noqa: BLE001 (a limit: RESOURCE_EXHAUSTED; others raise)
+                    await abort_for(context, e)
+                keys, error = await self._insert(built) if built else ([], None)
+                if error is not None:
+                    if keys:
+                        yield pb.InsertStreamResponse(keys=keys)
+                    self.refusals.info("InsertStream insert refused: %s", error)
+                    await _abort_like(error, context)
                 for key in request.release_chunk_keys:
-                    chunks.pop(key, None)
-                if writer is not None:
-                    self._drain(writer, 0, context)
+                    released = chunks.pop(key, None)
+                    if released is not None:
+                        held.give(released.nbytes)
                 if keys:
                     yield pb.InsertStreamResponse(keys=keys)
         finally:
-            if writer is not None:
-                writer.close()
+            held.close()
 
-    @staticmethod
-    def _drain(writer: SlotWriter, max_items: int, context: grpc.ServicerContext) -> None:
-        writer.wait(max_items)
-        if writer.error is not None:
-            _abort_like(writer.error, context)
+    async def _insert(self, built: list[_Built]) -> tuple[list[int], BaseException | None]:
+        """A request's items in order: through the insert plane where they fit (a pool job per run of one
+        table's items), the others and resends over the daemon's InsertStream. The keys committed, and the
+        error that stopped them."""
+        keys: list[int] = []
+        start = 0
+        while start < len(built):
+            if not built[start][1].resend:
+                written = await self._through_plane(built, start)
+                keys += written.committed
+                if written.error is not None:
+                    return keys, written.error
+                start += len(written.keys)
+                if start == len(built):
+                    break
+                if written.next_table:
+                    continue  # the next run is another table's: the plane may take it
+            stop = start + 1  # this item, and the resends right after it: one call to the daemon
+            while stop < len(built) and built[stop][1].resend:
+                stop += 1
+            committed, error = await self._forward_items(built[start:stop])
+            keys += committed
+            if error is not None:
+                return keys, error
+            start = stop
+        return keys, None
 
-    def _insert_directly(self, message: pb.PrioritizedItem, pieces: list[list[np.ndarray]],
-                         context: grpc.ServicerContext) -> None:
-        """The daemon's own InsertStream for an item the insert plane cannot take."""
+    async def _through_plane(self, built: list[_Built], start: int) -> _Written:
+        """One pool job (``_write``) in the turn of its table; a caller that leaves ends the job's writer."""
+        table = built[start][0].table
+        turn = self._turns.get(table)
+        if turn is None:
+            turn = self._turns[table] = _Turn(asyncio.Semaphore(self.threads))
+        turn.users += 1
+        written = _Written()
         try:
-            for _ in self._forward(iter([forward_request(message, pieces)]), wait_for_ready=True,
-                                   metadata=self.metadata):
-                pass
+            async with turn.semaphore:
+                await asyncio.wrap_future(self.executor.submit(self._write, written, built, start))
+        except asyncio.CancelledError:
+            written.abandon()
+            raise
+        finally:
+            turn.users -= 1
+            if not turn.users:
+                del self._turns[table]
+        return written
+
+    def _write(self, written: _Written, built: list[_Built], start: int) -> None:
+        """Items from ``start`` (one table's) written into reserved slots up to one the plane cannot take,
+        then waited for until committed (on the pool, with a writer lent from the pool)."""
+        try:
+            writer = self.writers.take()
+        except Exception as e:  # noqa: BLE001 (the daemon is away or refuses: the call's status)
+            written.error = e
+            return
+        written.writer = writer
+        try:
+            if written.abandoned:
+                raise CallCancelled("the InsertStream call ended")
+            table = built[start][0].table
+            for message, item in built[start:]:
+                if message.table != table:
+                    written.next_table = not item.resend
+                    break
+                if item.resend or not writer.fits(message.table, item.specs, item.lengths,
+                                                  message.structure.SerializeToString()):
+                    break
+                writer.write(message.table, item.key, item.priority, item.pieces, item.lengths, item.episode_ids)
+                written.keys.append(item.key)
+            writer.wait(0)
+            written.error = writer.error
+        except Exception as e:  # noqa: BLE001 (reported as the call's status)
+            written.error = e
+        finally:
+            written.writer = None
+            if written.abandoned:
+                writer.abort()
+            self.writers.give(writer)
+        if written.error is None:
+            written.committed = written.keys
+        else:
+            uncommitted = set(writer.pending)
+            written.committed = [k for k in written.keys if k not in uncommitted]
+
+    async def _forward_items(self, run: list[_Built]) -> tuple[list[int], BaseException | None]:
+        """Items inserted by the daemon's own InsertStream (one call); the keys it acknowledged."""
+        call = self._forward(wait_for_ready=True, metadata=self.metadata)
+        keys: list[int] = []
+        try:
+            for message, item in run:
+                await call.write(forward_request(message, item.pieces))
+            await call.done_writing()
+            async for response in call:
+                keys.extend(response.keys)
         except grpc.RpcError as e:
-            _abort_like(e, context)
+            return keys, e
+        finally:
+            if not call.done():
+                call.cancel()
+        return keys, None
 
 
-def _abort_like(error: BaseException, context: grpc.ServicerContext) -> None:
-    """End the call with the daemon's status (the actor sees what the daemon said)."""
-    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
-        context.abort(error.code(), error.details() or "")
-    if isinstance(error, TableNotFoundError):
-        context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-    context.abort(grpc.StatusCode.UNAVAILABLE, f"ingest worker: the daemon's insert plane failed: {error}")
+def _receive_chunks(request: pb.InsertStreamRequest, chunks: dict[int, _Chunk], held: StreamBytes) -> None:
+    """Keep a request's chunks as arrays, their bytes counted against the limits (as the daemon does)."""
+    for chunk in request.chunks:
+        nbytes = len(chunk.data.data)
+        previous = chunks.get(chunk.chunk_key)
+        held.take(nbytes)
+        chunks[chunk.chunk_key] = _Chunk(tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1),
+                                         chunk.episode_id, nbytes)
+        if previous is not None:
+            held.give(previous.nbytes)
 
 
-def _watch_parent(parent: int, server: grpc.Server) -> None:
-    """Stop when the daemon that started this worker is gone (re-parented)."""
-    stop = threading.Event()
-    while not stop.wait(0.5):
+async def _abort_like(error: BaseException, context: aio.ServicerContext) -> NoReturn:
+    """End the call with the daemon's status (the actor sees what the daemon said), or the error's own."""
+    if isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None)):
+        await context.abort(error.code(), error.details() or "")
+    status = status_of(error)
+    if status is not None:
+        await context.abort(*status)
+    log.warning("InsertStream failed: %r", error)
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"ingest worker: the daemon's insert plane failed: {error}")
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the daemon that started this worker is gone (this process was re-parented)."""
+    while True:
+        time.sleep(0.5)
         if os.getppid() != parent:
-            server.stop(0)
             os._exit(0)
+
+
+async def serve(args: argparse.Namespace, auth: AuthSettings, limits: LimitSettings) -> int:
+    """Serve until SIGTERM (or SIGINT); prints ``PORT <n>`` once serving. The exit code."""
+    check = auth.token_check()
+    service = IngestService(args.daemon, token=auth.load_token(), limits=limits, threads=args.threads)
+    server = aio.server(options=GRPC_OPTIONS, interceptors=[*auth.interceptors(check=check), CallGuard(limits)])
+    service.add_to_server(server)
+    credentials = auth.server_credentials()
+    address = f"{args.bind}:{args.port}"
+    port = _add_port(server, address, credentials)
+    if not port and args.bind == "[::]":  # a host without IPv6: all IPv4 interfaces
+        address = f"0.0.0.0:{args.port}"
+        port = _add_port(server, address, credentials)
+    if not port:
+        print(f"cannot bind {address}", file=sys.stderr, flush=True)
+        return 1
+    await service.start()
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"PORT {port}", flush=True)
+    await stop.wait()
+    await server.stop(0.5)
+    await service.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,31 +453,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--daemon", required=True, help="the daemon's local address, e.g. unix:/dev/shm/...sock")
     parser.add_argument("--bind", default="[::]", help="host to listen on")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help="pool jobs of one table at once: copying rows, waiting for their commits "
+                             "(open streams need no thread)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ingest-worker %(levelname)s %(message)s")
-    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="gear-ingest-parent", daemon=True).start()
     auth = AuthSettings(**json.loads(os.environ.pop(ENV_AUTH, "{}")))
-    channel = grpc.insecure_channel(args.daemon, options=CHANNEL_OPTIONS)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.threads, thread_name_prefix="gear-ingest"),
-                         options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)], interceptors=auth.interceptors())
-    IngestService(channel, auth.load_token()).add_to_server(server)
-    credentials = auth.server_credentials()
-    address = f"{args.bind}:{args.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if not port and args.bind == "[::]":
-        address = f"0.0.0.0:{args.port}"
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if not port:
-        print(f"cannot bind {address}", file=sys.stderr, flush=True)
-        return 1
-    server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.stop(0.5))
-    threading.Thread(target=_watch_parent, args=(parent, server), daemon=True).start()
-    print(f"PORT {port}", flush=True)
-    server.wait_for_termination()
-    return 0
+    limits = LimitSettings(**json.loads(os.environ.pop(ENV_LIMITS, "{}")))
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(serve(args, auth, limits))
+    finally:
+        loop.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Straight out: a pool thread may still wait on the daemon (it ends with this process), and the
+    # interpreter's exit would join it.
+    logging.shutdown()
+    os._exit(exit_code)

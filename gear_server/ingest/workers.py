@@ -12,7 +12,8 @@ import threading
 import time
 
 from gear_server.auth import AuthSettings
-from gear_server.ingest.worker import ENV_AUTH
+from gear_server.ingest.worker import ENV_AUTH, ENV_LIMITS
+from gear_server.limits import LimitSettings
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +21,20 @@ START_TIMEOUT_S = 30.0
 
 
 class WorkerPool:
-    """``count`` ingest workers (gear_server.ingest.worker) serving InsertStream on their own ports."""
+    """``count`` ingest workers (gear_server.ingest.worker) serving InsertStream on their own ports.
 
-    def __init__(self, count: int, daemon_address: str, bind: str, auth: AuthSettings | None):
+    Each enforces the daemon's ``[auth]`` and ``[limits]`` (``limits``: the daemon's; each worker counts its
+    own open streams and buffered bytes); ``threads``: pool jobs of one table at once (None: the worker's default).
+    """
+
+    def __init__(self, count: int, daemon_address: str, bind: str, auth: AuthSettings | None, *,
+                 limits: LimitSettings | None = None, threads: int | None = None):
         self.count = int(count)
         self.daemon_address = daemon_address
         self.bind = bind
         self.auth = auth or AuthSettings()
+        self.limits = limits or LimitSettings()
+        self.threads = threads
         self.processes: list[subprocess.Popen] = []
         self.ports: list[int] = []
 
@@ -34,13 +42,16 @@ class WorkerPool:
         """Start every worker and wait until each serves; returns their ports (OSError if one fails)."""
         env = dict(os.environ)
         env[ENV_AUTH] = json.dumps(dataclasses.asdict(self.auth))
+        env[ENV_LIMITS] = json.dumps(dataclasses.asdict(self.limits))
+        command = [sys.executable, "-m", "gear_server.ingest.worker", "--daemon", self.daemon_address,
+                   "--bind", self.bind]
+        if self.threads is not None:
+            command += ["--threads", str(self.threads)]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
             for _ in range(self.count):
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "gear_server.ingest.worker", "--daemon", self.daemon_address,
-                     "--bind", self.bind], stdout=subprocess.PIPE, env=env, text=True))
+                self.processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True))
             for process in self.processes:
                 self.ports.append(self._await_port(process))
         except BaseException:
