@@ -65,6 +65,8 @@ gpu-wheels:
 	  "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "uvloop==0.23.0"
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "py-spy==0.4.3"  # prof/
 
 test-gpu:
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests

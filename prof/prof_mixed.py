@@ -1,56 +1,78 @@
-"""Profile: mixed load (K same-host actors + learner B=256 shm->GPU), py-spy on daemon and learner."""
-import multiprocessing as mp, os, subprocess, sys, time, json
+"""Profile the mixed load: K same-host actors inserting while a learner pulls B=256 into GPU memory.
+
+Usage (GPU machine): ``PYTHONPATH=.:/tmp/site OUT=/tmp/out python3 prof/prof_mixed.py K [SWITCH]``.
+Prints the learner's GB/s and next() latencies, a ServerInfo probe's latencies and the
+actors' GB/s, alone (K=0) and with K actors; with ``SPY=1`` (default) py-spy records the
+daemon, the learner and one actor. ``PREFETCH`` / ``BPS``: the learner's Selects in flight
+and batches per Select; ``SWITCH``: the daemon's ``sys.setswitchinterval``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-import numpy as np
-import bench_scale as bs
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "prof")]
+
+import bench_scale as bs  # noqa: E402 - after the path above
+import numpy as np  # noqa: E402
+from pyspy import spy  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/out")
-PYSPY = os.environ.get("PYSPY", "/tmp/site/bin/py-spy")
 
 
 def learner(address, seconds, device, ready, go, results):
     from gear_client.data_planes import PlaneSampler
+
+    per_select = int(os.environ["BPS"]) if os.environ.get("BPS") else None
     with PlaneSampler(address, "t", planes=["shm"], device=device) as sampler:
-        stream = sampler.batches(bs.BATCH, prefetch=int(os.environ.get('PREFETCH', '2')), batches_per_select=int(os.environ.get('BPS', '1')))
+        stream = sampler.batches(bs.BATCH, prefetch=int(os.environ.get("PREFETCH", "2")),
+                                 batches_per_select=per_select)
         for _ in range(3):
             next(stream)
         ready.put(os.getpid())
         go.wait()
-        start = time.perf_counter(); items = 0; lat = []
+        start = time.perf_counter()
+        items = 0
+        lat = []
         while time.perf_counter() - start < seconds:
-            t = time.perf_counter(); items += len(next(stream)); lat.append(time.perf_counter() - t)
-        el = time.perf_counter() - start
+            t = time.perf_counter()
+            items += len(next(stream))
+            lat.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - start
         stream.close()
         lat = np.array(lat) * 1e3
-        results.put({"learner_gbps": items * bs.ITEM_BYTES / el / 1e9, "n": len(lat),
+        results.put({"learner_gbps": items * bs.ITEM_BYTES / elapsed / 1e9, "n": len(lat),
                      "next_ms_p50": float(np.median(lat)), "p90": float(np.percentile(lat, 90)),
                      "max": float(lat.max()), "sum_over_5ms": float(lat[lat > 5].sum())})
 
 
 def probe(address, seconds, go, results):
     import gear_client as reverb
-    c = reverb.Client(address)
-    c.server_info()
+
+    client = reverb.Client(address)
+    client.server_info()
     go.wait()
-    lat = []; start = time.perf_counter()
+    lat = []
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        t = time.perf_counter(); c.server_info(); lat.append(time.perf_counter() - t); time.sleep(0.01)
+        t = time.perf_counter()
+        client.server_info()
+        lat.append(time.perf_counter() - t)
+        time.sleep(0.01)
     lat = np.array(lat) * 1e3
-    results.put({"server_info_ms_p50": float(np.median(lat)), "p90": float(np.percentile(lat, 90)), "max": float(lat.max())})
+    results.put({"server_info_ms_p50": float(np.median(lat)), "p90": float(np.percentile(lat, 90)),
+                 "max": float(lat.max())})
 
 
-def spy(pid, name, seconds):
-    extra = ["--gil"] if os.environ.get("GIL") == "1" else ["--idle"]
-    return subprocess.Popen([PYSPY, "record", "--pid", str(pid), "-d", str(int(seconds)), "-r", "250", "-f", "raw",
-                             "-t", *extra, "--nonblocking", "-o", f"{OUT}/{name}.txt"],
-                            stdout=open(f"{OUT}/{name}.log", "w"), stderr=subprocess.STDOUT)
-
-
-def serve_variant(max_size, workers, pq, stop, switch):
+def serve_variant(max_size, workers, port_queue, stop, switch):
     if switch:
         sys.setswitchinterval(switch)
-    bs.serve(max_size, workers, pq, stop)
+    bs.serve(max_size, workers, port_queue, stop)
 
 
 def main():
@@ -59,40 +81,43 @@ def main():
     do_spy = os.environ.get("SPY", "1") == "1"
     seconds = 8.0
     ctx = mp.get_context("spawn")
-    pq, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=serve_variant, args=(4096, 8, pq, stop, switch)); server.start()
-    address = f"localhost:{pq.get(timeout=60)}"
+    port_queue, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=serve_variant, args=(4096, 8, port_queue, stop, switch))
+    server.start()
+    address = f"localhost:{port_queue.get(timeout=60)}"
     out = {}
     try:
-        pre = bs.run_round(ctx, address, 2, False, 2.0)  # fill the table first
-        print("prefill", pre["items"], flush=True)
+        print("prefill", bs.run_round(ctx, address, 2, False, 2.0)["items"], flush=True)
         for kk in (0, k):
             ready, go, res, lres, pres = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Queue()
             procs = [ctx.Process(target=bs.actor, args=(address, False, seconds, ready, go, res)) for _ in range(kk)]
             lp = ctx.Process(target=learner, args=(address, seconds, "cuda", ready, go, lres))
             pp = ctx.Process(target=probe, args=(address, seconds, go, pres))
-            for p in procs + [lp, pp]:
+            for p in (*procs, lp, pp):
                 p.start()
-            pids = [ready.get(timeout=120) for _ in range(kk + 1)]
+            for _ in range(kk + 1):
+                ready.get(timeout=120)
             spies = []
             if kk and do_spy:
-                spies = [spy(server.pid, f"daemon_k{kk}", seconds - 1), spy(lp.pid, f"learner_k{kk}", seconds - 1),
-                         spy(procs[0].pid, f"actor_k{kk}", seconds - 1)]
+                spies = [spy(server.pid, OUT, f"daemon_k{kk}", seconds - 1), spy(lp.pid, OUT, f"learner_k{kk}", seconds - 1),
+                         spy(procs[0].pid, OUT, f"actor_k{kk}", seconds - 1)]
             go.set()
             acts = [res.get(timeout=seconds + 120) for _ in range(kk)]
-            r = {"learner": lres.get(timeout=seconds + 120), "probe": pres.get(timeout=seconds + 60),
-                 "actor_gbps": sum(a["items"] for a in acts) * bs.ITEM_BYTES / seconds / 1e9}
+            row = {"learner": lres.get(timeout=seconds + 120), "probe": pres.get(timeout=seconds + 60),
+                   "actor_gbps": sum(a["items"] for a in acts) * bs.ITEM_BYTES / seconds / 1e9}
             for s in spies:
                 s.wait(60)
-            for p in procs + [lp, pp]:
+            for p in (*procs, lp, pp):
                 p.join(30)
-            out[kk] = r
-            print(kk, json.dumps(r), flush=True)
+            out[kk] = row
+            print(kk, json.dumps(row), flush=True)
     finally:
-        stop.set(); server.join(30)
+        stop.set()
+        server.join(30)
         if server.is_alive():
             server.kill()
-    json.dump(out, open(f"{OUT}/mixed_{k}_{switch}.json", "w"), indent=1)
+    with open(f"{OUT}/mixed_{k}_{switch}.json", "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
