@@ -11,6 +11,9 @@ Messages:
 - insert item: one PrioritizedItem of 3 columns (and of 32 columns) of one slice each.
 - release keys: ``release_chunk_keys`` of 3 and 256 keys (protobuf won: the writer uses it).
 - sample response encode / decode: B items of T steps of float32[1024] + int64 + float32.
+- priority updates: ``MutatePrioritiesRequest`` of 4 to 256 (key, priority) pairs; by hand from the arrays
+  the client makes of the caller's dict (``wire.HAND_ENCODE_MIN_UPDATES``), decoded into the key and
+  priority lists the daemon hands its table (``wire.HAND_DECODE_MIN_UPDATE_BYTES``).
 
     .venv/bin/python bench/bench_wire.py [--quick]
 """
@@ -121,6 +124,38 @@ def _bench_release(keys: list[int], budget: float) -> None:
     _row("release keys", f"{n} keys", _median_us(hand, budget), _median_us(proto, budget))
 
 
+def bench_priority_updates(budget: float) -> None:
+    for n in (4, 16, 32, 64, 256):
+        _bench_priority_updates(n, budget)
+
+
+def _bench_priority_updates(n: int, budget: float) -> None:
+    rng = np.random.default_rng(2)
+    updates = {int(k): float(p) for k, p in zip(rng.integers(0, 2**63, n, dtype=np.uint64), rng.uniform(0, 10, n), strict=True)}
+
+    def hand() -> bytes:
+        keys = np.fromiter(updates.keys(), np.uint64, n)
+        priorities = np.fromiter(updates.values(), np.float64, n)
+        return wire.encode_mutate_priorities("prioritized", keys, priorities, np.zeros(0, np.uint64))
+
+    def proto() -> bytes:
+        return pb.MutatePrioritiesRequest(table="prioritized", updates=[
+            pb.KeyWithPriority(key=int(k), priority=float(p)) for k, p in updates.items()]).SerializeToString()
+
+    raw, raw_proto = hand(), proto()
+    assert pb.MutatePrioritiesRequest.FromString(raw) == pb.MutatePrioritiesRequest.FromString(raw_proto)
+
+    def hand_decode() -> wire.PriorityUpdates | None:
+        return wire.decode_mutate_priorities_by_hand(raw)
+
+    def proto_decode() -> wire.PriorityUpdates:
+        return wire.decode_mutate_priorities_by_protobuf(raw)
+
+    assert hand_decode() == proto_decode()
+    _row("priority updates encode", f"{n} keys", _median_us(hand, budget), _median_us(proto, budget))
+    _row("priority updates decode", f"{n} keys", _median_us(hand_decode, budget), _median_us(proto_decode, budget))
+
+
 def _sample_parts(items: int, steps: int):
     rng = np.random.default_rng(1)
     obs = rng.random((items * steps, OBS), dtype=np.float32)
@@ -178,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_chunks(budget)
     bench_items(budget)
     bench_releases(budget)
+    bench_priority_updates(budget)
     bench_sample_responses(budget, args.quick)
     return 0
 

@@ -29,13 +29,15 @@ import numpy as np
 from gear_client import errors
 from gear_client.auth import ChannelSecurity
 from gear_client.connection import DaemonChannel, check_address, connect_timeout_option
+from gear_client.local_lane import LaneBroken, LaneStatusError
 from gear_client.replay_sample import ReplaySample, SampleInfo, emit_sample
 from gear_client.table_info import TableInfo
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.allocator import tune_allocator
-from gear_contract.wire import decode_sample_response
+from gear_contract.local_lane import MUTATE_PRIORITIES, encode_priorities
+from gear_contract.wire import decode_sample_response, encode_priority_updates
 
 __all__ = ["Client"]
 
@@ -350,11 +352,24 @@ class Client:
     # ------------------------------------------------------------------ table operations
     def mutate_priorities(self, table: str, updates: Mapping[int, float] | None = None,
                           deletes: Iterable[int] | None = None) -> None:
-        """Delete ``deletes`` then set ``updates`` (key -> priority); unknown keys are ignored."""
-        request = pb.MutatePrioritiesRequest(
-            table=table, updates=[pb.KeyWithPriority(key=int(k), priority=float(p)) for k, p in (updates or {}).items()],
-            delete_keys=[int(k) for k in (deletes or [])])
-        self._unary("mutate_priorities", lambda stub: stub.MutatePriorities, request)
+        """Delete ``deletes`` then set ``updates`` (key -> priority); unknown keys are ignored.
+
+        Returns once the daemon applied it. On the daemon's host the call takes the local lane
+        (gear_client/local_lane.py), else (or when the lane fails) gRPC.
+        """
+        if deletes is not None and not isinstance(deletes, (list, tuple)):
+            deletes = list(deletes)  # read twice when the lane gives way to gRPC
+        daemon = self._daemon_channel()
+        lane = daemon.local_lane()
+        if lane is not None:
+            try:
+                lane.call(MUTATE_PRIORITIES, encode_priorities(table, updates, deletes))
+                return
+            except LaneBroken:
+                daemon.lane_broken(lane)  # the daemon went away or is stopping: gRPC waits for it and says why
+            except LaneStatusError as e:
+                raise self._error(e, "mutate_priorities") from e
+        self._unary("mutate_priorities", lambda _: daemon.mutate_call, encode_priority_updates(table, updates, deletes))
 
     def reset(self, table: str) -> None:
         """Empty the table and reset its rate limiter."""

@@ -13,6 +13,10 @@ only once one fails UNAVAILABLE; writers and data-plane sessions wait before
 they open. Waiting probes with fail-fast ServerInfo calls (it also checks the
 token) rather than watching the channel's connectivity: that watch is a gRPC
 thread that races the channel's close.
+
+On the daemon's host, ``local_lane()`` gives the daemon's local lane
+(gear_client/local_lane.py) once it answered where it is; a lane that breaks
+is dropped and asked for again a little later (a restarted daemon has a new one).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import os
 import re
 import socket
 import ssl
+import threading
 import time
 
 import grpc
 
 from gear_client.auth import ChannelSecurity
 from gear_client.errors import ConnectError, DeadlineExceededError
+from gear_client.local_lane import NOT_LOCAL, LocalLane, lane_enabled, open_local_lane
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.channel import CHANNEL_OPTIONS
@@ -53,6 +59,9 @@ RECONNECT_OPTIONS = [
 _CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # no answer from a daemon
 _SAMPLE_METHOD = "/gear.v1.ReplayService/Sample"
+_MUTATE_METHOD = "/gear.v1.ReplayService/MutatePriorities"
+# After the local lane broke or was not offered: seconds before the daemon is asked for it again.
+LANE_RETRY_S = 1.0
 # gRPC target schemes whose address names no TCP port (or that take a port themselves).
 _NO_PORT_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
 _PORT = re.compile(r":(\d{1,5})$")
@@ -115,9 +124,47 @@ class DaemonChannel:
         # Sample responses are parsed by hand (gear_contract.wire.decode_sample_response): no deserializer.
         self.sample_call = self.channel.unary_stream(
             _SAMPLE_METHOD, request_serializer=pb.SampleRequest.SerializeToString, response_deserializer=None)
+        # MutatePriorities requests are framed by hand (gear_contract.wire.encode_priority_updates).
+        self.mutate_call = self.channel.unary_unary(_MUTATE_METHOD, request_serializer=None,
+                                                    response_deserializer=None)
+        self._lane: LocalLane | None = None
+        self._lane_wanted = lane_enabled()
+        self._lane_next_try = 0.0
+        self._lane_lock = threading.Lock()
 
     def close(self) -> None:
+        with self._lane_lock:
+            lane, self._lane, self._lane_wanted = self._lane, None, False
+        if lane is not None:
+            lane.close()
         self.channel.close()
+
+    # ------------------------------------------------------------------ local lane
+    def local_lane(self) -> LocalLane | None:
+        """The daemon's local lane when it runs on this host and offers one (asked at most every
+        ``LANE_RETRY_S`` seconds while it does not); None: use gRPC."""
+        lane = self._lane
+        if lane is not None or not self._lane_wanted or time.monotonic() < self._lane_next_try:
+            return lane
+        with self._lane_lock:
+            if self._lane is not None or not self._lane_wanted or time.monotonic() < self._lane_next_try:
+                return self._lane
+            found = open_local_lane(self.stub)
+            if found is NOT_LOCAL:
+                self._lane_wanted = False
+            elif found is None:
+                self._lane_next_try = time.monotonic() + LANE_RETRY_S
+            else:
+                self._lane = found
+            return self._lane
+
+    def lane_broken(self, lane: LocalLane) -> None:
+        """Drop ``lane`` after a failed call (asked for again after ``LANE_RETRY_S``)."""
+        with self._lane_lock:
+            if self._lane is lane:
+                self._lane = None
+                self._lane_next_try = time.monotonic() + LANE_RETRY_S
+        lane.close()
 
     # ------------------------------------------------------------------ waiting
     def wait_ready(self, operation: str, timeout: float | None = None) -> None:

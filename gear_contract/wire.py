@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,194 @@ def encode_release_keys(keys: Sequence[int]) -> bytes:
     if not keys:
         return b""
     return pb.InsertStreamRequest(release_chunk_keys=keys).SerializeToString()
+
+
+# ------------------------------------------------------------ priority updates ----
+# MutatePrioritiesRequest framed from numpy arrays in one go: built message by
+# message, a KeyWithPriority cost about 0.6 us, and reading them back one by one
+# on the daemon as much again. Every varint is written 10 bytes wide (a longer
+# form than needed is valid protobuf: parsers read up to 10 bytes), so each
+# update is one fixed 22-byte record and a batch is one structured array both
+# ways. The daemon reads that layout as arrays and leaves any other valid
+# encoding (other clients, protobuf's own) to protobuf.
+
+_UPDATE = np.dtype([("head", "u1", (3,)), ("key", "u1", (10,)), ("tag", "u1"), ("priority", "<f8")])
+_UPDATE_HEAD = np.array([0x12, 20, 0x08], np.uint8)  # updates = 2 (20 bytes): KeyWithPriority.key = 1
+_PRIORITY_TAG = 0x11                                  # KeyWithPriority.priority = 2 (fixed64)
+_TABLE_TAG = 0x0A                                     # MutatePrioritiesRequest.table = 1
+_DELETES_TAG = 0x1A                                   # .delete_keys = 3 (packed)
+_WIDE = 10
+_SHIFTS = np.arange(0, 7 * _WIDE, 7, dtype=np.uint64)
+_MORE = np.array([0x80] * (_WIDE - 1) + [0], np.uint64)
+_LOW7 = np.uint64(0x7F)
+
+
+@dataclass(frozen=True)
+class PriorityUpdates:
+    """A decoded MutatePrioritiesRequest: ``keys[i]`` gets ``priorities[i]``; ``deletes`` are removed."""
+
+    table: str
+    keys: list[int]
+    priorities: list[float]
+    deletes: list[int]
+
+
+def _wide_varints(values: np.ndarray) -> np.ndarray:
+    """uint8 [n, 10]: each uint64 of ``values`` as a 10-byte varint."""
+    return ((values.reshape(-1, 1) >> _SHIFTS) & _LOW7 | _MORE).astype(np.uint8)
+
+
+def _read_wide_varints(raw: np.ndarray) -> np.ndarray | None:
+    """uint64 [n] from uint8 [n, 10]; None when a row is not a 10-byte varint of a uint64."""
+    wide = raw.astype(np.uint64)
+    if not ((wide[:, :_WIDE - 1] >= 0x80).all() and (wide[:, _WIDE - 1] <= 1).all()):
+        return None
+    return ((wide & _LOW7) << _SHIFTS).sum(axis=1, dtype=np.uint64)  # disjoint bits: the sum is their or
+
+
+def encode_mutate_priorities(table: str, keys: np.ndarray, priorities: np.ndarray, deletes: np.ndarray) -> bytes:
+    """A serialized MutatePrioritiesRequest: ``keys`` uint64 with ``priorities`` float64, then ``deletes`` uint64.
+
+    Field order: table, delete_keys, updates (any order is valid protobuf; this one lets the
+    daemon read the updates as one array).
+    """
+    if len(keys) != len(priorities):
+        raise ValueError(f"{len(keys)} keys but {len(priorities)} priorities")
+    name = table.encode()
+    parts: list[Any] = []
+    if name:
+        parts += (bytes((_TABLE_TAG,)), encode_varint(len(name)), name)
+    if len(deletes):
+        packed = _wide_varints(np.asarray(deletes, np.uint64))
+        parts += (bytes((_DELETES_TAG,)), encode_varint(packed.nbytes), packed)
+    if len(keys):
+        rows = np.empty(len(keys), _UPDATE)
+        rows["head"] = _UPDATE_HEAD
+        rows["key"] = _wide_varints(np.asarray(keys, np.uint64))
+        rows["tag"] = _PRIORITY_TAG
+        rows["priority"] = priorities
+        parts.append(rows)
+    return b"".join(parts)
+
+
+# Fewer updates and deletes than this are encoded by protobuf (faster there: bench_wire.py).
+HAND_ENCODE_MIN_UPDATES = 8
+
+
+def encode_priority_updates(table: str, updates: Mapping[Any, Any] | None, deletes: Iterable[Any] | None) -> bytes:
+    """A serialized MutatePrioritiesRequest of Reverb's arguments: ``updates`` key -> priority, ``deletes`` keys.
+
+    ValueError naming the first key that is not an integer in [0, 2**64) or priority that is not a number.
+    """
+    updates = updates if updates is not None else {}
+    dropped = list(deletes) if deletes is not None else []
+    if len(updates) + len(dropped) < HAND_ENCODE_MIN_UPDATES:
+        try:
+            return pb.MutatePrioritiesRequest(
+                table=table, updates=[pb.KeyWithPriority(key=int(k), priority=float(p)) for k, p in updates.items()],
+                delete_keys=[int(k) for k in dropped]).SerializeToString()
+        except (TypeError, ValueError, OverflowError):
+            _explain_bad_update(updates, dropped)
+            raise
+    return encode_mutate_priorities(table, *priority_arrays(updates, dropped))
+
+
+def priority_arrays(updates: Mapping[Any, Any] | None, deletes: Iterable[Any] | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys uint64, priorities float64, deletes uint64) of Reverb's ``mutate_priorities`` arguments.
+
+    ValueError naming the first key that is not an integer in [0, 2**64) or priority that is not a number.
+    """
+    updates = updates if updates is not None else {}
+    dropped = list(deletes) if deletes is not None else []
+    n = len(updates)
+    try:
+        return (np.fromiter(map(int, updates.keys()), np.uint64, n),
+                np.fromiter(map(float, updates.values()), np.float64, n),
+                np.fromiter(map(int, dropped), np.uint64, len(dropped)))
+    except (TypeError, ValueError, OverflowError):
+        _explain_bad_update(updates, dropped)
+        raise
+
+
+def _explain_bad_update(updates: Mapping[Any, Any], deletes: Iterable[Any] | None) -> None:
+    """Raise ValueError naming the entry ``priority_arrays`` could not convert (returns if none)."""
+    for what, key in [*(("key", k) for k in updates), *(("delete key", k) for k in (deletes or ()))]:
+        try:
+            if not 0 <= int(key) < 1 << 64:
+                raise OverflowError
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{what} {key!r} is not an integer in [0, 2**64)") from None
+    for key, priority in updates.items():
+        try:
+            float(priority)
+        except (TypeError, ValueError):
+            raise ValueError(f"priority {priority!r} of key {key} is not a number") from None
+
+
+# Requests of fewer bytes (about 64 updates) are read by protobuf: its parser is faster there (bench_wire.py).
+HAND_DECODE_MIN_UPDATE_BYTES = 64 * _UPDATE.itemsize
+
+
+def decode_mutate_priorities(data: bytes | memoryview) -> PriorityUpdates:
+    """Parse a serialized MutatePrioritiesRequest (ValueError when it is not one).
+
+    From ``HAND_DECODE_MIN_UPDATE_BYTES`` up, the layout ``encode_mutate_priorities``
+    writes is read as arrays; anything else goes through protobuf.
+    """
+    if len(data) >= HAND_DECODE_MIN_UPDATE_BYTES:
+        fast = decode_mutate_priorities_by_hand(data)
+        if fast is not None:
+            return fast
+    return decode_mutate_priorities_by_protobuf(data)
+
+
+def decode_mutate_priorities_by_protobuf(data: bytes | memoryview) -> PriorityUpdates:
+    """Parse a serialized MutatePrioritiesRequest with protobuf (ValueError when it is not one)."""
+    request = pb.MutatePrioritiesRequest()
+    try:
+        request.MergeFromString(data)
+    except DecodeError as e:
+        raise ValueError(f"not a valid request message ({e})") from None
+    updates = request.updates
+    return PriorityUpdates(request.table, [u.key for u in updates], [u.priority for u in updates],
+                           list(request.delete_keys))
+
+
+def decode_mutate_priorities_by_hand(data: bytes | memoryview) -> PriorityUpdates | None:
+    """The fields of ``encode_mutate_priorities``'s layout read as arrays, or None for any other encoding."""
+    buf = memoryview(data).cast("B")
+    end = len(buf)
+    pos = 0
+    table = ""
+    deletes: list[int] = []
+    try:
+        if pos < end and buf[pos] == _TABLE_TAG:
+            length, pos = read_varint(buf, pos + 1)
+            if pos + length > end:
+                return None
+            table = bytes(buf[pos:pos + length]).decode()
+            pos += length
+        if pos < end and buf[pos] == _DELETES_TAG:
+            length, pos = read_varint(buf, pos + 1)
+            if length % _WIDE or pos + length > end:
+                return None
+            dropped = _read_wide_varints(np.frombuffer(buf, np.uint8, length, pos).reshape(-1, _WIDE))
+            if dropped is None:
+                return None
+            deletes = dropped.tolist()
+            pos += length
+    except ValueError:  # a truncated varint, a name that is not UTF-8: protobuf says what is wrong
+        return None
+    if (end - pos) % _UPDATE.itemsize:
+        return None
+    rows = np.frombuffer(buf, _UPDATE, (end - pos) // _UPDATE.itemsize, pos)
+    if len(rows) and not ((rows["head"] == _UPDATE_HEAD).all() and (rows["tag"] == _PRIORITY_TAG).all()):
+        return None
+    keys = _read_wide_varints(rows["key"])
+    if keys is None:
+        return None
+    return PriorityUpdates(table, keys.tolist(), rows["priority"].tolist(), deletes)
 
 
 # ------------------------------------------------------------ sample responses ----

@@ -228,6 +228,8 @@ class Daemon:
             done = self.loop.submit(self.server.stop(grace))
         if done is not None and self.ops.checkpointer is not None:
             _wait(done, grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
+        if self.service is not None:  # same-host calls end too: the final checkpoint holds what they acked
+            self.service.close_local_lane()
         if self.ingest is not None:
             self.ingest.stop()  # workers end, reserved slots go back before the final checkpoint
         self.ops.final_checkpoint()

@@ -14,6 +14,12 @@ limiter holding an insert is the writer's back-pressure, and gRPC's flow
 control holds the bytes the writer sends meanwhile). The chunks a stream holds
 count against ``[limits]``.
 
+``MutatePriorities`` requests are read by hand (``decode_mutate_priorities``).
+Same-host clients may send them, and a learner's Select and Release, over the
+local lane (gear_contract/local_lane.py): the service starts it with the gRPC
+server (``GEAR_LOCAL_LANE=0`` turns it off), tells ``ServerInfo`` callers that
+ask where it is, and closes it when the server ends.
+
 Samples stream ``SampleResponse``s built by hand (``encode_sample_response``):
 the per-column bytes of several items are joined straight from the leased
 table slots into the message, so a sampled byte is copied once in Python.
@@ -21,6 +27,7 @@ table slots into the message, so a sampled byte is copied once in Python.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -33,11 +40,13 @@ from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.channel import MAX_MESSAGE_BYTES
-from gear_contract.wire import encode_sample_response
+from gear_contract.local_lane import LANE_KEY, MUTATE_PRIORITIES, RELEASE, SELECT, advertise, decode_priorities
+from gear_contract.wire import decode_mutate_priorities, encode_sample_response
 from gear_server.data_planes.manager import DataPlaneManager
-from gear_server.errors import shorten
+from gear_server.errors import TableNotFoundError, shorten
 from gear_server.items import BadRequest, ItemToInsert, tensor_to_array
 from gear_server.limits import MAX_ITEMS_PER_SAMPLE_REQUEST, ByteBudget, LimitSettings
+from gear_server.local_lane import LaneContext, LocalLaneServer
 from gear_server.metrics import ServerMetrics
 from gear_server.statuses import RefusalLog, abort_for, find_table, status_of
 from gear_server.table import Table
@@ -129,7 +138,10 @@ class ReplayService:
 
     def __init__(self, tables: Mapping[str, Table], calls: TableCalls, *, host_id: str = "", version: str = "",
                  checkpoint: Callable[[], str] | None = None, data_planes: DataPlaneManager | None = None,
-                 metrics: ServerMetrics | None = None, limits: LimitSettings | None = None):
+                 metrics: ServerMetrics | None = None, limits: LimitSettings | None = None,
+                 local_lane: bool | None = None):
+        """``local_lane``: serve same-host clients' MutatePriorities, Select and Release over the local lane
+        too (default: unless ``GEAR_LOCAL_LANE=0``)."""
         self.tables = tables  # the daemon's dict
         self.calls = calls
         self.metrics = metrics
@@ -141,6 +153,10 @@ class ReplayService:
         self.refusals = RefusalLog(log)
         # The ingest workers' ports, as ServerInfo lists them (set by the daemon once they serve).
         self.ingest_ports: Callable[[], list[int]] = list
+        self.local_lane: LocalLaneServer | None = None
+        self._lane_wanted = (os.environ.get("GEAR_LOCAL_LANE", "1").strip() != "0") if local_lane is None \
+            else local_lane
+        self._lane_task: asyncio.Task | None = None
 
     # -------------------------------------------------------------- inserts
     async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
@@ -241,19 +257,34 @@ class ReplayService:
                 yield message
 
     # -------------------------------------------------------------- the rest
-    async def MutatePriorities(self, request: pb.MutatePrioritiesRequest,  # noqa: N802
-                               context: aio.ServicerContext) -> pb.MutatePrioritiesResponse:
-        table = await find_table(self.tables, request.table, context)
-        updates = request.updates
-        # One pass over the repeated field; the table checks every priority before it changes anything.
-        keys = [u.key for u in updates]
-        priorities = np.fromiter((u.priority for u in updates), np.float64, len(keys))
+    def priority_updates(self, table: str, keys: list[int], priorities: list[float]) -> tuple[Table, Any]:
+        """(table, updates) for ``Table.mutate_priorities``: a dict unless a key comes twice (then the
+        (key, priority) pairs in order: the table applies the last one). TableNotFoundError."""
+        found = self.tables.get(table)
+        if found is None:
+            raise TableNotFoundError(table)
+        updates: Any = dict(zip(keys, priorities, strict=True))
+        if len(updates) != len(keys):
+            updates = list(zip(keys, priorities, strict=True))
+        return found, updates
+
+    async def MutatePriorities(self, request: bytes,  # noqa: N802
+                               context: aio.ServicerContext) -> bytes:
+        """Registered without deserializer and with an empty answer (the request is read by hand)."""
         try:
-            await self.calls.run(table.mutate_priorities, zip(keys, priorities.tolist(), strict=True),
-                                 request.delete_keys)
+            decoded = decode_mutate_priorities(request)
+            table, updates = self.priority_updates(decoded.table, decoded.keys, decoded.priorities)
+            await self.calls.run(table.mutate_priorities, updates, decoded.deletes)
         except Exception as e:  # noqa: BLE001
             await abort_for(context, e)
-        return pb.MutatePrioritiesResponse()
+        return b""
+
+    def mutate_priorities_now(self, request: memoryview) -> bytes:
+        """The local lane's MutatePriorities, on the lane's thread (which may wait for the table's lock)."""
+        name, keys, priorities, deletes = decode_priorities(request)
+        table, updates = self.priority_updates(name, keys, priorities)
+        table.mutate_priorities(updates, deletes)
+        return b""
 
     async def Reset(self, request: pb.ResetRequest, context: aio.ServicerContext) -> pb.ResetResponse:  # noqa: N802
         table = await find_table(self.tables, request.table, context)
@@ -266,6 +297,9 @@ class ReplayService:
     async def ServerInfo(self, request: pb.ServerInfoRequest,  # noqa: N802
                          context: aio.ServicerContext) -> pb.ServerInfoResponse:
         infos = await self.calls.run(lambda: [t.info() for t in list(self.tables.values())])
+        lane = self.local_lane
+        if lane is not None and any(key == LANE_KEY for key, _ in context.invocation_metadata() or ()):
+            context.set_trailing_metadata(((LANE_KEY, advertise(lane.name, lane.secret)),))
         return pb.ServerInfoResponse(table_info=infos, version=self.version, host_id=self.host_id,
                                      ingest_ports=self.ingest_ports())
 
@@ -333,7 +367,8 @@ class ReplayService:
                 response_serializer=_serialize),
             "Sample": grpc.unary_stream_rpc_method_handler(
                 self.Sample, request_deserializer=pb.SampleRequest.FromString, response_serializer=_identity),
-            "MutatePriorities": unary(self.MutatePriorities, pb.MutatePrioritiesRequest),
+            "MutatePriorities": grpc.unary_unary_rpc_method_handler(self.MutatePriorities, request_deserializer=None,
+                                                                    response_serializer=_identity),
             "Reset": unary(self.Reset, pb.ResetRequest),
             "ServerInfo": unary(self.ServerInfo, pb.ServerInfoRequest),
             "CheckRateLimiter": unary(self.CheckRateLimiter, pb.RateLimiterCheckRequest),
@@ -345,11 +380,53 @@ class ReplayService:
         }
 
     def add_to_server(self, server: aio.Server) -> None:
+        """Register the RPCs; on the server's event loop, also open the local lane until the server ends."""
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, self.method_handlers()),))
+        if self._lane_wanted and self.local_lane is None:
+            self._open_local_lane(server)
+
+    def _open_local_lane(self, server: aio.Server) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the server's loop: nothing would close the lane with the server
+        handlers: dict[int, Any] = {MUTATE_PRIORITIES: self.mutate_priorities_now}
+        if self.data_planes is not None:
+            handlers.update({SELECT: self._select_on_lane, RELEASE: self._release_on_lane})
+        lane = LocalLaneServer(handlers, loop=loop, metrics=self.metrics)
+        if lane.start():
+            self.local_lane = lane
+            self._lane_task = loop.create_task(self._close_lane_after(server))
+
+    async def _select_on_lane(self, request: bytes, context: LaneContext) -> bytes:
+        return (await self.data_planes.select(_parse(pb.SelectRequest, request), context)).SerializeToString()
+
+    async def _release_on_lane(self, request: bytes, context: LaneContext) -> bytes:
+        return (await self.data_planes.release(_parse(pb.ReleaseRequest, request), context)).SerializeToString()
+
+    async def _close_lane_after(self, server: aio.Server) -> None:
+        try:
+            await server.wait_for_termination()
+        finally:
+            self.close_local_lane()
+
+    def close_local_lane(self) -> None:
+        """Stop the local lane (same-host clients go back to gRPC). Idempotent."""
+        lane, self.local_lane = self.local_lane, None
+        if lane is not None:
+            lane.close()
 
 
 def _identity(data: bytes) -> bytes:
     return data
+
+
+def _parse(message_type: Any, data: bytes) -> Any:
+    """``data`` parsed as ``message_type``; ValueError (INVALID_ARGUMENT) when it is not one."""
+    try:
+        return message_type.FromString(data)
+    except Exception as e:  # noqa: BLE001 (protobuf raises DecodeError, or others on odd input)
+        raise ValueError(f"not a valid request message ({e})") from None
 
 
 def _serialize(message: Any) -> bytes:
