@@ -106,7 +106,7 @@ class PlaneOpener:
                 inline = InlinePlane(self.stub, self.table, layout, sample_call=self.sample_call,
                                      metadata=self.metadata)
                 return OpenedPlane(None, inline, None, layout)
-            session = PlaneSession(self.stub, self.table, response, metadata=self.metadata)
+            session = PlaneSession(self.stub, self.table, response, metadata=self.metadata, daemon=self.daemon)
             try:  # an empty table has no layout yet: the first Select brings it
                 reader = self._build(response, session, layout, conn)
             except Exception as exc:  # noqa: BLE001 - the plane cannot come up here: next best
