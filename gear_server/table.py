@@ -38,6 +38,7 @@ reset, restore, close) wait until no copy is in flight.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Mapping
 
@@ -257,7 +258,7 @@ class Table:
                 if slot is not None:
                     st.delete_slot(slot)
             if keys:
-                slots = np.fromiter((k2s.get(k, -1) for k in keys), np.int64, len(keys))
+                slots = np.array(list(map(k2s.get, keys, itertools.repeat(-1, len(keys)))), np.int64)
                 known = slots >= 0
                 slots, values = slots[known], prios[known]
                 if not isinstance(updates, Mapping) and len(np.unique(slots)) != len(slots):
