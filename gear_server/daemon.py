@@ -23,12 +23,10 @@ import threading
 import time
 from typing import Any
 
-import grpc
 from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
-from gear_contract.channel import CHANNEL_OPTIONS
 from gear_server import __version__, sd_notify
 from gear_server.config import DaemonSettings
 from gear_server.data_planes.manager import DataPlaneManager
@@ -37,18 +35,12 @@ from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.event_loop import LoopThread
 from gear_server.limits import LimitSettings
 from gear_server.operations import Operations
+from gear_server.server_ports import GRPC_OPTIONS, add_port
 from gear_server.service import ReplayService
 from gear_server.storage import SegmentStore
 from gear_server.table_calls import TableCalls
 
 log = logging.getLogger(__name__)
-
-# Messages carry whole chunks and sample batches: raise gRPC's 4 MiB default.
-GRPC_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    # A port that is taken must fail to bind rather than be shared with another daemon.
-    ("grpc.so_reuseport", 0),
-]
 
 
 def host_id() -> str:
@@ -60,16 +52,6 @@ def host_id() -> str:
     from gear_contract.negotiation import local_host_id
 
     return local_host_id()
-
-
-def _add_port(server: aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
-    """The bound port, or 0 when the address cannot be bound (gRPC raises or returns 0 by version)."""
-    try:
-        if credentials is not None:  # TLS / mutual TLS ([auth] section)
-            return server.add_secure_port(address, credentials)
-        return server.add_insecure_port(address)
-    except RuntimeError:
-        return 0
 
 
 class Daemon:
@@ -168,9 +150,9 @@ class Daemon:
         """Bind the configured address; returns the port (the one picked when port is 0)."""
         host = self.config.bind_address or "[::]"
         credentials = self.ops.server_credentials()
-        port = _add_port(server, f"{host}:{self.config.port}", credentials)
+        port = add_port(server, f"{host}:{self.config.port}", credentials)
         if not port and host == "[::]":  # a host without IPv6: all IPv4 interfaces
-            port = _add_port(server, f"0.0.0.0:{self.config.port}", credentials)
+            port = add_port(server, f"0.0.0.0:{self.config.port}", credentials)
         if not port:
             raise OSError(f"cannot bind {host}:{self.config.port} (in use or not an address of this host)")
         return port

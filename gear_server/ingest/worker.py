@@ -63,12 +63,12 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.channel import CHANNEL_OPTIONS
 from gear_contract.insert_plane import SlotWriter
 from gear_server.auth import AuthSettings
-from gear_server.daemon import GRPC_OPTIONS, _add_port
 from gear_server.errors import CallCancelled
 from gear_server.event_loop import new_event_loop
 from gear_server.interceptors import CallGuard
 from gear_server.items import BadRequest, PreparedItem, tensor_to_array
 from gear_server.limits import ByteBudget, LimitSettings, StreamBytes
+from gear_server.server_ports import GRPC_OPTIONS, add_port
 from gear_server.service import SERVICE_NAME, _Chunk, _serialize, build_item
 from gear_server.statuses import RefusalLog, abort_for, status_of
 
@@ -428,10 +428,10 @@ async def serve(args: argparse.Namespace, auth: AuthSettings, limits: LimitSetti
     service.add_to_server(server)
     credentials = auth.server_credentials()
     address = f"{args.bind}:{args.port}"
-    port = _add_port(server, address, credentials)
+    port = add_port(server, address, credentials)
     if not port and args.bind == "[::]":  # a host without IPv6: all IPv4 interfaces
         address = f"0.0.0.0:{args.port}"
-        port = _add_port(server, address, credentials)
+        port = add_port(server, address, credentials)
     if not port:
         print(f"cannot bind {address}", file=sys.stderr, flush=True)
         return 1
