@@ -76,6 +76,19 @@ class _Chunk:
         self.nbytes = nbytes
 
 
+def receive_chunks(request: pb.InsertStreamRequest, chunks: dict[int, _Chunk], held: Any) -> None:
+    """Keep a request's chunks as arrays, their bytes counted against the stream's limits (``held``:
+    take/give a stream's bytes; a limit raises LimitExceeded); a resent chunk key replaces the old one."""
+    for chunk in request.chunks:
+        nbytes = len(chunk.data.data)
+        previous = chunks.get(chunk.chunk_key)
+        held.take(nbytes)
+        chunks[chunk.chunk_key] = _Chunk(tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1),
+                                         chunk.episode_id, nbytes)
+        if previous is not None:
+            held.give(previous.nbytes)
+
+
 def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> ItemToInsert:
     """Build one PrioritizedItem's ItemToInsert from the stream's chunks, validated (gear_server.items)."""
     where = f"item {item.key} for table '{shorten(item.table)}'"
@@ -168,15 +181,7 @@ class ReplayService:
             async for request in request_iterator:
                 n += 1
                 try:
-                    for chunk in request.chunks:
-                        nbytes = len(chunk.data.data)
-                        previous = chunks.get(chunk.chunk_key)
-                        held.take(nbytes)
-                        chunks[chunk.chunk_key] = _Chunk(
-                            tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1), chunk.episode_id,
-                            nbytes)
-                        if previous is not None:
-                            held.give(previous.nbytes)
+                    receive_chunks(request, chunks, held)
                     prepared = []
                     for item in request.items:
                         table = await find_table(self.tables, item.table, context)

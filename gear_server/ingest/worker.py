@@ -66,10 +66,10 @@ from gear_server.auth import AuthSettings
 from gear_server.errors import CallCancelled
 from gear_server.event_loop import new_event_loop
 from gear_server.interceptors import CallGuard
-from gear_server.items import BadRequest, PreparedItem, tensor_to_array
-from gear_server.limits import ByteBudget, LimitSettings, StreamBytes
+from gear_server.items import BadRequest, PreparedItem
+from gear_server.limits import ByteBudget, LimitSettings
 from gear_server.server_ports import GRPC_OPTIONS, add_port
-from gear_server.service import SERVICE_NAME, _Chunk, _serialize, build_item
+from gear_server.service import SERVICE_NAME, _Chunk, _serialize, build_item, receive_chunks
 from gear_server.statuses import RefusalLog, abort_for, status_of
 
 log = logging.getLogger("gear_server.ingest.worker")
@@ -265,7 +265,7 @@ class IngestService:
             async for request in request_iterator:
                 n += 1
                 try:
-                    _receive_chunks(request, chunks, held)
+                    receive_chunks(request, chunks, held)
                     built = [(item, build_item(item, chunks).validated()) for item in request.items]
                 except BadRequest as e:
                     self.refusals.info("InsertStream request %d refused: %s", n, e)
@@ -387,18 +387,6 @@ class IngestService:
             if not call.done():
                 call.cancel()
         return keys, None
-
-
-def _receive_chunks(request: pb.InsertStreamRequest, chunks: dict[int, _Chunk], held: StreamBytes) -> None:
-    """Keep a request's chunks as arrays, their bytes counted against the limits (as the daemon does)."""
-    for chunk in request.chunks:
-        nbytes = len(chunk.data.data)
-        previous = chunks.get(chunk.chunk_key)
-        held.take(nbytes)
-        chunks[chunk.chunk_key] = _Chunk(tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1),
-                                         chunk.episode_id, nbytes)
-        if previous is not None:
-            held.give(previous.nbytes)
 
 
 async def _abort_like(error: BaseException, context: aio.ServicerContext) -> NoReturn:
