@@ -4,14 +4,11 @@ Each CommitSlots message used to become its own pool job, so with many
 same-host writers every table-pool thread sat waiting on the same table lock
 and a learner's Select or Release queued behind them (8 writers committing
 ~6,000 items/s cut a learner's pull from 48 to 12 GB/s on the 16-core H100
-machine). A lane keeps at most one pool job at a time: the work that arrives
-while it runs is taken together by its next job, in arrival order (a run of
-calls in one job, a run of commits in one ``insert_many``), so writers never
-pile up on the lock and the pool keeps threads free for the other calls. The
-insert plane gives each table two lanes, one for reserves and one for
-commits, so a quick reserve never waits behind a batch of commits or a
-commit held by the rate limiter (within one writer's stream a reserve and a
-commit are never in flight together, so their order across lanes is free).
+machine). A lane keeps at most one pool job per table for the insert plane:
+the reserves and commits that arrive while it runs are taken together by its
+next jobs, in arrival order (a run of reserves in one job, a run of commits in
+one ``insert_many``), so writers never contend with each other for the lock
+and the pool keeps threads free for the other calls.
 
 Semantics are those of one ``TableCalls.insert_many`` per message: items of a
 message go in order, the rate limiter holds the lane (later messages of the

@@ -86,8 +86,7 @@ class InsertPlaneManager:
         self.writer_pids: set[int] = set()  # processes that opened a stream (the most recent 1024)
         self._lock = threading.Lock()
         self._streams: dict[int, _Stream] = {}
-        # (table, "reserve" | "commit") -> its lane: one pool job at a time each (event loop only)
-        self.lanes: dict[tuple[str, str], CommitLane] = {}
+        self.lanes: dict[str, CommitLane] = {}  # table -> its reserves and commits, one pool job at a time (event loop only)
         self._ending: list[tuple[float, _Stream]] = []  # (give back at, stream)
         self._stop = threading.Event()
         interval = reap_interval_s if reap_interval_s is not None else min(1.0, self.reservation_timeout_s / 4)
@@ -250,7 +249,7 @@ class InsertPlaneManager:
         if held + count > self.max_reservations:
             raise LimitExceeded(f"ReserveSlots of {count} slots on a stream that holds {held}", self.max_reservations,
                                 "[ingest] max_reservations_per_stream")
-        slots, layout = await self._lane(table.name, "reserve").run(table.reserve, count,
+        slots, layout = await self._lane(table.name).run(table.reserve, count,
                                                          on_orphan=lambda taken: table.unreserve(taken[0]))
         response = pb.SlotsReserved(table=table.name, slots=slots)
         if layout is None:
@@ -288,7 +287,7 @@ class InsertPlaneManager:
         moved: TableLayout | None = None
         committer = _Committer(table, int(request.layout_version))
         try:
-            await self._lane(table.name, "commit").commit([(committer, item) for item in items], lambda _, item: committed.append(item))
+            await self._lane(table.name).commit([(committer, item) for item in items], lambda _, item: committed.append(item))
         except LayoutMoved as e:
             moved = e.layout
         with stream.lock:
@@ -307,12 +306,10 @@ class InsertPlaneManager:
             stream.versions[table.name] = moved.version
         return response
 
-    def _lane(self, table_name: str, kind: str) -> CommitLane:
-        """The table's lane for ``kind``: reserves and commits each have their own, so a reserve (quick,
-        never waiting) is not queued behind a batch of commits or a commit the rate limiter holds."""
-        lane = self.lanes.get((table_name, kind))
+    def _lane(self, table_name: str) -> CommitLane:
+        lane = self.lanes.get(table_name)
         if lane is None:
-            lane = self.lanes[(table_name, kind)] = CommitLane(self.calls)
+            lane = self.lanes[table_name] = CommitLane(self.calls)
         return lane
 
     def _cancel(self, stream: _Stream, request: pb.CancelSlots) -> None:
