@@ -263,10 +263,13 @@ class Daemon:
     def serve(self, install_signal_handlers: bool = True, on_started=None) -> None:
         """Start, run until ``request_stop()`` (or SIGTERM/SIGINT), then stop cleanly."""
         previous = {}
+        received: list[int] = []
         if install_signal_handlers:
             def on_signal(signum, frame):
-                log.info("received %s", signal.Signals(signum).name)
-                self.request_stop()
+                # Only a list append: the handler runs in the main thread between bytecodes, maybe
+                # inside _stop_requested.wait() holding its condition's (non-reentrant) lock, where
+                # Event.set() (or logging) would deadlock: the main loop below sees the signal.
+                received.append(signum)
 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, on_signal)
@@ -274,8 +277,10 @@ class Daemon:
             self.start()
             if on_started is not None:
                 on_started(self)
-            while not self._stop_requested.wait(0.5):
+            while not received and not self._stop_requested.wait(0.2):
                 pass
+            if received:
+                log.info("received %s", signal.Signals(received[0]).name)
         finally:
             self.stop()
             for sig, handler in previous.items():
