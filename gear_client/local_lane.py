@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import grpc
@@ -48,8 +49,6 @@ _OK = grpc.StatusCode.OK.value[0]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _NEGOTIATE_TIMEOUT_S = 5.0
 _READ_BYTES = 1 << 16
-# Statuses after which the call goes over gRPC instead (the daemon is stopping, or the lane is full).
-_FALL_BACK = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class LaneStatusError(grpc.RpcError):
@@ -109,6 +108,19 @@ def open_local_lane(stub, timeout: float = _NEGOTIATE_TIMEOUT_S, metadata: Any =
     return lane
 
 
+_MAX_IDLE = 8  # connections a process keeps open between calls (the daemon serves 64 in all)
+_LANES: weakref.WeakSet[LocalLane] = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: drop (never use or shut down) the parent's connections, and a lock it may have held."""
+    for lane in list(_LANES):
+        lane._idle, lane._pid, lane._lock = [], os.getpid(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 class LocalLane:
     """Pooled connections to one daemon's lane. Thread safe."""
 
@@ -119,6 +131,7 @@ class LocalLane:
         self._pid = os.getpid()
         self._closed = False
         self._lock = threading.Lock()
+        _LANES.add(self)
 
     def check(self) -> None:
         """Open one connection now (LaneBroken / LaneStatusError when the daemon refuses it)."""
@@ -165,7 +178,7 @@ class LocalLane:
 
     def _release(self, conn: socket.socket) -> None:
         with self._lock:
-            if not self._closed and self._pid == os.getpid():
+            if not self._closed and self._pid == os.getpid() and len(self._idle) < _MAX_IDLE:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -175,13 +188,14 @@ class LocalLane:
         try:
             conn.connect("\0" + self.name)
             conn.sendall(hello(self._secret))
-            code, answer = _Answer().read(conn, None)
-        except OSError as e:
+            code, answer = _Answer().read(conn, _NEGOTIATE_TIMEOUT_S)
+        except (OSError, TimeoutError) as e:
             conn.close()
-            raise LaneBroken(f"cannot open the local lane: {e}") from e
-        if code != _OK:
+            raise LaneBroken(f"cannot open the local lane: {e!r}") from e
+        if code != _OK:  # full, stopping or refused: the call goes over gRPC, which says what is wrong
             conn.close()
-            raise _error(code, answer)
+            error = _error(code, answer)
+            raise error if isinstance(error, LaneBroken) else LaneBroken(str(error), error.code())
         return conn
 
 
@@ -221,6 +235,11 @@ class LanePending:
         """Give up the call (the daemon cancels it when the connection closes); False once it ended."""
         if self._conn is None:
             return False
+        if self._lane._pid == os.getpid():  # a forked child may hold a copy: make the daemon see the end
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._conn.close()
         self._conn = None
         self.cancelled = True
@@ -301,8 +320,10 @@ class _Answer:
 
 
 def _error(code: int, answer: bytes) -> LaneStatusError:
+    """A call's error status: UNAVAILABLE (the daemon is stopping) sends the call over gRPC; any other is
+    the call's own answer, as the RPC would give it."""
     status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
     details = answer.decode(errors="replace")
-    if status in _FALL_BACK:
+    if status is grpc.StatusCode.UNAVAILABLE:
         return LaneBroken(f"the daemon answered {status.name}: {details}", status)
     return LaneStatusError(status, details)
