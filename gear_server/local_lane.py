@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 Handler = Callable[[memoryview], bytes] | Callable[[bytes, "LaneContext"], Awaitable[bytes]]
 
 DEFAULT_MAX_CONNECTIONS = 64
-HELLO_TIMEOUT_S = 5.0
+MAX_UNAUTHENTICATED = 8  # connections still before their hello (any local process can open one)
+HELLO_TIMEOUT_S = 5.0  # the whole hello, however slowly its bytes come
+CLOSE_WAIT_S = 5.0  # how long close() waits for calls being answered
 PEER_CHECK_S = 0.05  # how often a connection waiting on the loop checks that its client is still there
 KEEP_BUFFER_BYTES = 1 << 20  # a connection's read buffer goes back to 64 KiB after a larger request
 _OK = grpc.StatusCode.OK.value[0]
@@ -107,7 +109,10 @@ class LocalLaneServer:
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
+        self._unauthenticated = 0
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no call is being answered
+        self._in_call = 0
         self._closed = False
         self._refusals = RefusalLog(log)
 
@@ -125,8 +130,9 @@ class LocalLaneServer:
         threading.Thread(target=self._accept, args=(listener,), name="gear-lane-accept", daemon=True).start()
         return True
 
-    def close(self) -> None:
-        """Stop accepting and end every connection (a call being answered finishes first). Idempotent."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop accepting and end every connection; wait up to ``wait_s`` for the calls being answered
+        (an acknowledged call is applied before the daemon's final checkpoint). Idempotent."""
         with self._lock:
             self._closed = True
             listener, self._listener = self._listener, None
@@ -136,6 +142,8 @@ class LocalLaneServer:
             listener.close()
         for conn in connections:
             _shutdown(conn, socket.SHUT_RD)  # its thread reads EOF once the call in hand is answered
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_call == 0, wait_s)
 
     @property
     def connections(self) -> int:
@@ -149,20 +157,24 @@ class LocalLaneServer:
             except OSError:
                 return  # closed
             with self._lock:
-                admitted = not self._closed and len(self._connections) < self.max_connections
+                admitted = (not self._closed and len(self._connections) < self.max_connections
+                            and self._unauthenticated < MAX_UNAUTHENTICATED)
                 if admitted:
                     self._connections.add(conn)
+                    self._unauthenticated += 1
             if not admitted:
                 _answer_and_close(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"the daemon's local lane takes {self.max_connections} connections")
+                                  f"the daemon's local lane takes {self.max_connections} connections "
+                                  f"({MAX_UNAUTHENTICATED} before their hello)")
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="gear-lane", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         buffer = bytearray(64 << 10)
+        authenticated = False
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)
-            kind, payload, buffer = _read_frame(conn, buffer, MAX_HELLO_BYTES)
+            kind, payload, buffer = _read_frame(conn, buffer, MAX_HELLO_BYTES,
+                                                deadline=time.monotonic() + HELLO_TIMEOUT_S)
             if kind != HELLO:
                 raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "a local lane connection starts with its hello")
             if len(payload) != 1 + SECRET_BYTES or not hmac.compare_digest(bytes(payload[1:]), self.secret):
@@ -171,6 +183,9 @@ class LocalLaneServer:
                 raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                f"local lane version {payload[0]} (this daemon speaks {VERSION})")
             conn.settimeout(None)
+            with self._lock:
+                self._unauthenticated -= 1
+                authenticated = True
             conn.sendall(frame(_OK))
             while True:
                 if len(buffer) > KEEP_BUFFER_BYTES:
@@ -179,8 +194,16 @@ class LocalLaneServer:
                 if kind < 0:
                     return  # the client closed the connection
                 started = time.perf_counter()
-                answer, code = self._call(kind, payload, conn)
-                conn.sendall(answer)
+                with self._lock:
+                    self._in_call += 1
+                try:
+                    answer, code = self._call(kind, payload, conn)
+                    conn.sendall(answer)
+                finally:
+                    with self._idle:
+                        self._in_call -= 1
+                        if not self._in_call:
+                            self._idle.notify_all()
                 if self.metrics is not None:  # once the client has its answer
                     self.metrics.observe_rpc(METHODS[kind], code, time.perf_counter() - started)
         except _Refused as e:
@@ -191,6 +214,8 @@ class LocalLaneServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                if not authenticated:
+                    self._unauthenticated -= 1
             conn.close()
 
     def _call(self, kind: int, payload: memoryview, conn: socket.socket) -> tuple[bytes, grpc.StatusCode]:
@@ -248,15 +273,23 @@ def _peer_gone(conn: socket.socket) -> bool:
         return True
 
 
-def _read_frame(conn: socket.socket, buffer: bytearray, limit: int) -> tuple[int, memoryview, bytearray]:
+def _read_frame(conn: socket.socket, buffer: bytearray, limit: int, deadline: float | None = None
+                ) -> tuple[int, memoryview, bytearray]:
     """(kind, payload, buffer) of the next frame; kind -1 at a clean end of the connection.
 
     The payload views ``buffer``, or a larger one made for a larger frame (returned: read the next
-    frame into it); it is valid until the next read.
+    frame into it); it is valid until the next read. ``deadline`` (monotonic): the whole frame must
+    be in by then (TimeoutError), however its bytes are spread.
     """
+
+    def before_recv() -> None:
+        if deadline is not None:
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+
     got = 0
     with memoryview(buffer) as view:
         while got < HEAD.size:
+            before_recv()
             n = conn.recv_into(view[got:])
             if not n:
                 if got:
@@ -276,6 +309,7 @@ def _read_frame(conn: socket.socket, buffer: bytearray, limit: int) -> tuple[int
         buffer = larger
     view = memoryview(buffer)
     while got < total:
+        before_recv()
         n = conn.recv_into(view[got:total])
         if not n:
             raise ConnectionResetError("the connection ended inside a frame")

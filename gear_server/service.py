@@ -413,13 +413,14 @@ class ReplayService:
         try:
             await server.wait_for_termination()
         finally:
-            self.close_local_lane()
+            self.close_local_lane(wait_s=0.0)  # on the loop: never wait for calls that need it
 
-    def close_local_lane(self) -> None:
-        """Stop the local lane (same-host clients go back to gRPC). Idempotent."""
+    def close_local_lane(self, wait_s: float | None = None) -> None:
+        """Stop the local lane (same-host clients go back to gRPC), waiting up to ``wait_s`` (default: the
+        lane's) for the calls being answered. Idempotent."""
         lane, self.local_lane = self.local_lane, None
         if lane is not None:
-            lane.close()
+            lane.close() if wait_s is None else lane.close(wait_s)
 
 
 def _identity(data: bytes) -> bytes:

@@ -256,6 +256,45 @@ def test_lane_refuses_strangers(daemon):
     client.close()
 
 
+def test_strangers_cannot_hold_the_lane(daemon, monkeypatch):
+    """Connections before their hello are capped apart and their whole hello has a deadline: a local
+    process dribbling bytes or opening many sockets cannot keep the lane from the daemon's clients."""
+    import gear_server.local_lane as server_lane_module
+
+    monkeypatch.setattr(server_lane_module, "HELLO_TIMEOUT_S", 1.0)
+    client = gear_client.Client(daemon.address(), data_planes=())
+    keys = _fill(client)
+    lane = open_local_lane(client._daemon_channel().stub)
+    address = "\0" + lane.name
+    served = daemon.service.local_lane.connections  # the client's own (authenticated, idle)
+    held = []
+    for _ in range(server_lane_module.MAX_UNAUTHENTICATED + 2):  # never say hello
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(address)
+        held.append(conn)
+    time.sleep(0.2)
+    assert daemon.service.local_lane.connections == served + server_lane_module.MAX_UNAUTHENTICATED
+    slow = held[0]
+    start = time.monotonic()
+    try:  # one byte at a time, each well inside any per-read timeout: the hello's deadline still ends it
+        while time.monotonic() - start < 5:
+            slow.sendall(b"\x00")
+            time.sleep(0.3)
+    except OSError:
+        pass
+    assert time.monotonic() - start < 3
+    deadline = time.monotonic() + 5
+    while daemon.service.local_lane.connections > served and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.service.local_lane.connections == served  # every silent one ended at its deadline
+    lane.call(MUTATE_PRIORITIES, encode_priorities("prio", {keys[0]: 5.0}, []))  # the lane serves again
+    assert _priorities(daemon)[keys[0]] == 5.0
+    for conn in held:
+        conn.close()
+    lane.close()
+    client.close()
+
+
 def test_full_lane_leaves_callers_on_grpc(daemon):
     server_lane = daemon.service.local_lane
     server_lane.max_connections = 1
