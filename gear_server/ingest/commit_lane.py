@@ -80,6 +80,9 @@ class CommitLane:
         except asyncio.CancelledError:
             if not entry.done.done():
                 entry.done.cancel()
+            elif isinstance(entry, _Call) and entry.on_orphan is not None and not entry.done.cancelled() \
+                    and entry.done.exception() is None:  # answered as its caller left: give back what it took
+                self._calls.executor.submit(entry.on_orphan, entry.done.result())
             self._maybe_cancel_job()
             raise
 
@@ -98,7 +101,13 @@ class CommitLane:
                     if not entry.done.done():
                         batch.append(entry)
                 if batch:
-                    await (self._apply(batch) if kind is _Message else self._call(batch))
+                    try:
+                        await (self._apply(batch) if kind is _Message else self._call(batch))
+                    except asyncio.CancelledError:
+                        self._fail(batch, None)
+                        raise
+                    except BaseException as e:  # noqa: BLE001 - the pool is gone (the daemon stops): callers hear it
+                        self._fail(batch, e)
         finally:
             self._task = None
             if self._queue:  # arrived as the lane ended (cancelled): start again for them
@@ -178,6 +187,16 @@ class CommitLane:
             self._finish(failing, error)
             batch = pending
             start = owner[reached] + 1
+
+    @staticmethod
+    def _fail(batch: list[_Message] | list[_Call], error: BaseException | None) -> None:
+        """Every entry of a batch whose job broke ends with ``error`` (None: cancelled); none is left waiting."""
+        for entry in batch:
+            if not entry.done.done():
+                if error is None:
+                    entry.done.cancel()
+                else:
+                    entry.done.set_exception(error)
 
     def _finish(self, message: _Message, error: BaseException | None) -> None:
         self.messages += 1

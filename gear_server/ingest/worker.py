@@ -362,14 +362,14 @@ class IngestService:
             written.error = e
         finally:
             written.writer = None
+            if written.error is None:
+                written.committed = written.keys
+            else:  # read before the writer goes back: another job may take it at once
+                uncommitted = set(writer.pending)
+                written.committed = [k for k in written.keys if k not in uncommitted]
             if written.abandoned:
                 writer.abort()
             self.writers.give(writer)
-        if written.error is None:
-            written.committed = written.keys
-        else:
-            uncommitted = set(writer.pending)
-            written.committed = [k for k in written.keys if k not in uncommitted]
 
     async def _forward_items(self, run: list[_Built]) -> tuple[list[int], BaseException | None]:
         """Items inserted by the daemon's own InsertStream (one call); the keys it acknowledged."""
