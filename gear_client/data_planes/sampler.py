@@ -319,7 +319,8 @@ class PlaneSampler:
         with self._lock:
             self._ensure_open()
             layout = self._layout
-        item_bytes = sum(c.slot_stride for c in layout.columns[:1]) if layout is not None else 0
+        # slot-major segments: every column's slot_stride is the whole row, one item's bytes
+        item_bytes = layout.columns[0].slot_stride if layout is not None and layout.columns else 0
         per_select = select_width(num_samples, batches_per_select, gpu=is_gpu_device(self.device),
                                   item_bytes=item_bytes)
         while True:

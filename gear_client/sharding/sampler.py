@@ -34,7 +34,7 @@ from gear_client import errors
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
-from gear_client.data_planes.shm import is_gpu_device
+from gear_client.data_planes.shm import gpu_index, is_gpu_device
 from gear_client.sharding.assembly import DeviceAssembly, HostAssembly, assemble, rows
 from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
 from gear_client.sharding.selection import (
@@ -236,6 +236,17 @@ class ShardedSampler:
         parts = self._collect(plan, window)
         return self._assemble(plan.policy, plan.weights, parts, plan.rng)
 
+    def _fetch_ready(self, plan: _Plan, window: WindowSpec) -> SampledBatch:
+        """``_fetch`` on a fetcher thread: the batch is complete on the device before the learner gets it
+        (its copy was ordered on this thread's stream, which the learner's own streams know nothing of)."""
+        batch = self._fetch(plan, window)
+        if is_gpu_device(self.device):
+            import cupy as cp
+
+            with cp.cuda.Device(gpu_index(self.device)):
+                cp.cuda.get_current_stream().synchronize()
+        return batch
+
     def _assemble(self, policy: Policy, weights: dict[int, ShardWeight], pieces: dict[int, list[SampledBatch]],
                   rng: np.random.Generator) -> SampledBatch:
         """Every shard's pieces with the global probabilities and size, copied once into one batch.
@@ -350,7 +361,7 @@ class ShardedSampler:
             while True:
                 while len(pending) < max(1, depth):
                     plan = self._plan(num_samples * per_group, timeout)
-                    pending.append(self._fetcher.submit(self._fetch, plan, window))
+                    pending.append(self._fetcher.submit(self._fetch_ready, plan, window))
                 group = pending.popleft().result()
                 for k in range(0, len(group), num_samples):
                     yield rows(group, k, min(k + num_samples, len(group)))
