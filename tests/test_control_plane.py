@@ -30,6 +30,7 @@ from gear_server.auth import AuthSettings
 from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.limits import LimitSettings
+from tests.open_writers import run_open_writers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,31 +133,9 @@ def test_300_writers_with_open_streams_all_complete(make_daemon):
     """Each actor holds an open writer stream (one item acknowledged) until all 300 do, then writes 4 more."""
     actors, items = 300, 5
     d = make_daemon(table_config("t", max_size=actors * items, sampler=selectors.Fifo(), max_times_sampled=1))
-    opened = threading.Barrier(actors, timeout=60)
-    failures: list[BaseException] = []
-
-    def actor(i: int) -> None:
-        try:
-            client = reverb.Client(d.address)
-            with client.trajectory_writer(num_keep_alive_refs=1) as writer:
-                for k in range(items):
-                    writer.append({"x": np.full(3, i * items + k, np.float32)})
-                    writer.create_item("t", 1.0, {"x": writer.history["x"][-1]})
-                    if k == 0:
-                        writer.flush()  # the stream is open and served
-                        opened.wait()
-                writer.flush()
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            failures.append(e)
-
-    threads = [threading.Thread(target=actor, args=(i,), daemon=True) for i in range(actors)]
     started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
+    failures = run_open_writers(d.address, actors, items, barrier_s=60, deadline_s=90)
     assert not failures, failures[:3]
-    assert not any(t.is_alive() for t in threads)
     client = reverb.Client(d.address)
     assert client.server_info(timeout=PROMPT_S)["t"].current_size == actors * items
     values = sorted(int(s.data[0][0]) for s in client.sample("t", actors * items, emit_timesteps=False))

@@ -34,6 +34,7 @@ from gear_server.ingest.worker import DEFAULT_THREADS, WRITER_IDLE_S
 from gear_server.ingest.workers import WorkerPool
 from gear_server.limits import LimitSettings
 from tests.data_planes._support import STRUCTURE, item_ok, make_item, table_config
+from tests.open_writers import run_open_writers
 from tests.ops._support import DaemonProcess
 from tests.test_control_plane import HeldStream, chunk_request
 
@@ -126,31 +127,9 @@ def test_300_open_writer_streams_through_two_workers_all_complete(daemons, monke
     monkeypatch.setenv(NETWORK_PATH, "0")
     actors, items = 300, 5
     d = daemons(table_config("t", actors * items, sampler="fifo", max_times_sampled=1), workers=2)
-    opened = threading.Barrier(actors, timeout=90)
-    failures: list[BaseException] = []
-
-    def actor(i: int) -> None:
-        try:
-            client = reverb.Client(d.address())
-            with client.trajectory_writer(num_keep_alive_refs=1) as writer:
-                for k in range(items):
-                    writer.append({"x": np.full(3, i * items + k, np.float32)})
-                    writer.create_item("t", 1.0, {"x": writer.history["x"][-1]})
-                    if k == 0:
-                        writer.flush()  # the stream is open and served
-                        opened.wait()
-                writer.flush()
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            failures.append(e)
-
-    threads = [threading.Thread(target=actor, args=(i,), daemon=True) for i in range(actors)]
     started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(1.0, 120 - (time.monotonic() - started)))
+    failures = run_open_writers(d.address(), actors, items, barrier_s=90, deadline_s=120)
     assert not failures, failures[:3]
-    assert not any(t.is_alive() for t in threads)
     assert time.monotonic() - started < 120
     table = d.tables["t"]
     assert table.size() == actors * items
