@@ -41,7 +41,9 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gear_contract.wire import priority_arrays
+import numpy as np
+
+from gear_contract.wire import PriorityUpdates, priority_arrays
 
 __all__ = ["LANE_KEY", "VERSION", "HELLO", "MUTATE_PRIORITIES", "SELECT", "RELEASE", "METHODS", "MAX_FRAME_BYTES", "MAX_REQUEST_BYTES", "MAX_HELLO_BYTES",
            "SECRET_BYTES", "HEAD", "frame", "hello", "advertise", "parse_advertisement", "encode_priorities",
@@ -118,9 +120,9 @@ def encode_priorities(table: str, updates: Mapping[Any, Any] | None, deletes: It
     return b"".join((_PRIORITIES_HEAD.pack(len(name), len(keys), len(dropped)), name, keys, priorities, dropped))
 
 
-def decode_priorities(payload: memoryview) -> tuple[str, list[int], list[float], list[int]]:
-    """(table, keys, priorities, deletes) of an ``encode_priorities`` request; ValueError when its sizes
-    do not add up."""
+def decode_priorities(payload: memoryview) -> PriorityUpdates:
+    """The updates of an ``encode_priorities`` request (priorities copied out of ``payload``); ValueError
+    when its sizes do not add up."""
     if len(payload) < _PRIORITIES_HEAD.size:
         raise ValueError(f"not a valid request message ({len(payload)} bytes)")
     name_bytes, n, m = _PRIORITIES_HEAD.unpack_from(payload)
@@ -132,5 +134,5 @@ def decode_priorities(payload: memoryview) -> tuple[str, list[int], list[float],
     except UnicodeDecodeError:
         raise ValueError("not a valid request message (the table name is not UTF-8)") from None
     body = payload[start:]
-    return (table, body[:8 * n].cast("Q").tolist(), body[8 * n:16 * n].cast("d").tolist(),
-            body[16 * n:].cast("Q").tolist())
+    return PriorityUpdates(table, body[:8 * n].cast("Q").tolist(), np.array(body[8 * n:16 * n].cast("d")),
+                           body[16 * n:].cast("Q").tolist())

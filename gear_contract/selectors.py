@@ -103,10 +103,14 @@ def from_proto(options: pb.SelectorOptions) -> SelectorType:
 
 
 def priority_weights(priorities: np.ndarray, exponent: float) -> np.ndarray:
-    """priority ** exponent, with priority 0 -> weight 0 for every exponent (a prioritized pick's weight).
+    """priority ** exponent of priorities >= 0 (checked where they come in), with priority 0 -> weight 0
+    for every exponent (a prioritized pick's weight).
 
     The daemon's selector and a sharded client's global probabilities compute it alike.
     """
     p = np.asarray(priorities, np.float64)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        return np.where(p > 0, np.power(p, exponent), 0.0)
+    if 0.0 < exponent <= 1.0:  # 0 ** exponent is 0 and nothing overflows: one call (a mutate's latency)
+        return np.power(p, exponent)
+    out = np.zeros_like(p)
+    with np.errstate(over="ignore"):  # an overflow gives inf, as the weight of a priority that large should
+        return np.power(p, exponent, out=out, where=p > 0)

@@ -173,11 +173,12 @@ _LOW7 = np.uint64(0x7F)
 
 @dataclass(frozen=True)
 class PriorityUpdates:
-    """A decoded MutatePrioritiesRequest: ``keys[i]`` gets ``priorities[i]``; ``deletes`` are removed."""
+    """A decoded MutatePrioritiesRequest: ``keys[i]`` gets ``priorities[i]``; ``deletes`` are removed.
+    ``priorities``: a list, or a float64 array (the local lane's requests)."""
 
     table: str
     keys: list[int]
-    priorities: list[float]
+    priorities: list[float] | np.ndarray
     deletes: list[int]
 
 

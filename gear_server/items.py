@@ -136,22 +136,24 @@ def check_priority(priority: float, what: str = "priority") -> float:
 
 def priority_updates(updates: Mapping[int, float] | Iterable[tuple[int, float]] | None
                      ) -> tuple[list[int], np.ndarray]:
-    """(keys, priorities float64) of a priority update, every priority checked (ValueError naming the key)."""
+    """(keys, priorities float64) of a priority update, as given (``check_priorities`` checks them)."""
     if updates is None:
-        keys: list[int] = []
-        prios = np.zeros(0)
-    elif isinstance(updates, Mapping):
+        return [], np.zeros(0)
+    if isinstance(updates, Mapping):
         keys = list(updates.keys())
-        prios = np.fromiter(updates.values(), np.float64, len(keys))
-    else:
-        pairs = list(updates)
-        keys = [k for k, _ in pairs]
-        prios = np.array([float(p) for _, p in pairs], np.float64)
-    bad = np.flatnonzero(~np.isfinite(prios) | (prios < 0))
-    if bad.size:
+        return keys, np.fromiter(updates.values(), np.float64, len(keys))
+    pairs = list(updates)
+    return [k for k, _ in pairs], np.array([float(p) for _, p in pairs], np.float64)
+
+
+def check_priorities(keys: Sequence[int], priorities: np.ndarray) -> np.ndarray:
+    """``priorities`` (float64) with -0.0 as 0.0; ValueError naming the first key whose new priority is
+    NaN, negative or infinite."""
+    if priorities.size and not (priorities.min() >= 0.0 and priorities.max() < math.inf):  # NaN fails both
+        bad = np.flatnonzero(~np.isfinite(priorities) | (priorities < 0))
         i = int(bad[0])
-        check_priority(prios[i], f"new priority of key {keys[i]}")
-    return keys, prios + 0.0  # -0.0 -> 0.0
+        check_priority(priorities[i], f"new priority of key {keys[i]}")
+    return priorities + 0.0
 
 
 # --------------------------------------------------------------------------- items

@@ -41,7 +41,7 @@ from grpc import aio
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.channel import MAX_MESSAGE_BYTES
 from gear_contract.local_lane import LANE_KEY, MUTATE_PRIORITIES, RELEASE, SELECT, advertise, decode_priorities
-from gear_contract.wire import decode_mutate_priorities, encode_sample_response
+from gear_contract.wire import PriorityUpdates, decode_mutate_priorities, encode_sample_response
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.errors import TableNotFoundError, shorten
 from gear_server.items import BadRequest, ItemToInsert, tensor_to_array
@@ -262,33 +262,25 @@ class ReplayService:
                 yield message
 
     # -------------------------------------------------------------- the rest
-    def priority_updates(self, table: str, keys: list[int], priorities: list[float]) -> tuple[Table, Any]:
-        """(table, updates) for ``Table.mutate_priorities``: a dict unless a key comes twice (then the
-        (key, priority) pairs in order: the table applies the last one). TableNotFoundError."""
-        found = self.tables.get(table)
-        if found is None:
-            raise TableNotFoundError(table)
-        updates: Any = dict(zip(keys, priorities, strict=True))
-        if len(updates) != len(keys):
-            updates = list(zip(keys, priorities, strict=True))
-        return found, updates
+    def apply_priority_updates(self, request: PriorityUpdates) -> None:
+        """A decoded MutatePriorities request applied to its table (TableNotFoundError, ValueError)."""
+        table = self.tables.get(request.table)
+        if table is None:
+            raise TableNotFoundError(request.table)
+        table.apply_priority_updates(request.keys, np.asarray(request.priorities, np.float64), request.deletes)
 
     async def MutatePriorities(self, request: bytes,  # noqa: N802
                                context: aio.ServicerContext) -> bytes:
         """Registered without deserializer and with an empty answer (the request is read by hand)."""
         try:
-            decoded = decode_mutate_priorities(request)
-            table, updates = self.priority_updates(decoded.table, decoded.keys, decoded.priorities)
-            await self.calls.run(table.mutate_priorities, updates, decoded.deletes)
+            await self.calls.run(self.apply_priority_updates, decode_mutate_priorities(request))
         except Exception as e:  # noqa: BLE001
             await abort_for(context, e)
         return b""
 
     def mutate_priorities_now(self, request: memoryview) -> bytes:
         """The local lane's MutatePriorities, on the lane's thread (which may wait for the table's lock)."""
-        name, keys, priorities, deletes = decode_priorities(request)
-        table, updates = self.priority_updates(name, keys, priorities)
-        table.mutate_priorities(updates, deletes)
+        self.apply_priority_updates(decode_priorities(request))
         return b""
 
     async def Reset(self, request: pb.ResetRequest, context: aio.ServicerContext) -> pb.ResetResponse:  # noqa: N802

@@ -51,6 +51,7 @@ from gear_server.item_groups import ItemGroup
 from gear_server.items import (
     ItemToInsert,
     ReservedItem,
+    check_priorities,
     count_leaves,
     leaf_paths,
     priority_updates,
@@ -242,13 +243,22 @@ class Table:
     # ------------------------------------------------------------------ mutate / reset
     def mutate_priorities(self, updates: Mapping[int, float] | Iterable[tuple[int, float]] | None = None,
                           deletes: Iterable[int] | None = None) -> None:
-        """Delete ``deletes``, then set priorities; unknown keys are ignored.
+        """Delete ``deletes``, then set priorities; unknown keys are ignored (a key given twice: its last one).
 
         ValueError (nothing changed) if any new priority is NaN, negative or infinite.
         """
-        st = self._state
         keys, prios = priority_updates(updates)
+        self.apply_priority_updates(keys, prios, deletes)
+
+    def apply_priority_updates(self, keys: list[int], priorities: np.ndarray,
+                               deletes: Iterable[int] | None = None) -> None:
+        """``mutate_priorities`` of decoded arrays: ``keys[i]`` gets ``priorities[i]`` (float64)."""
+        st = self._state
+        prios = check_priorities(keys, priorities)
+        if len(keys) != len(prios):
+            raise ValueError(f"{len(keys)} keys but {len(prios)} priorities")
         delete_keys = list(deletes) if deletes is not None else []
+        twice = len(keys) > 1 and len(set(keys)) != len(keys)
         with st.lock:
             st.check_open()
             t0 = time.perf_counter()
@@ -258,21 +268,22 @@ class Table:
                 if slot is not None:
                     st.delete_slot(slot)
             if keys:
-                slots = np.array(list(map(k2s.get, keys, itertools.repeat(-1, len(keys)))), np.int64)
-                known = slots >= 0
-                slots, values = slots[known], prios[known]
-                if not isinstance(updates, Mapping) and len(np.unique(slots)) != len(slots):
+                slots = np.fromiter(map(k2s.get, keys, itertools.repeat(-1, len(keys))), np.int64, len(keys))
+                if slots.min() < 0:
+                    known = slots >= 0
+                    slots, prios = slots[known], prios[known]
+                if twice and len(slots):
                     # the last update of a key wins; keep the given order of the survivors
                     _, last_rev = np.unique(slots[::-1], return_index=True)
                     keep = np.sort(len(slots) - 1 - last_rev)
-                    slots, values = slots[keep], values[keep]
+                    slots, prios = slots[keep], prios[keep]
                 if len(slots):
                     seqs = np.arange(st.seq + 1, st.seq + 1 + len(slots), dtype=np.int64)
                     st.seq += len(slots)
-                    st.meta.priority[slots] = values
+                    st.meta.priority[slots] = prios
                     st.meta.update_seq[slots] = seqs
-                    st.sampler.update_many(slots, values, seqs)
-                    st.remover.update_many(slots, values, seqs)
+                    st.sampler.update_many(slots, prios, seqs)
+                    st.remover.update_many(slots, prios, seqs)
             st.worker_time_s += time.perf_counter() - t0
 
     def reset(self) -> None:

@@ -122,9 +122,11 @@ def test_lane_request_round_trip_and_checks():
                               np.array([2**64 - 1, 5], np.uint64)),
                              ({float(k): int(p) for k, p in zip(EDGE_KEYS[:5], priorities[:5], strict=True)}, (5.0,))):
         raw = encode_priorities("tábla", updates, deletes)
-        table, k, p, d = decode_priorities(memoryview(raw))
-        assert table == "tábla" and k == [int(x) for x in updates] and d == [2**64 - 1, 5][-len(d):]
-        assert p == [float(x) for x in updates.values()]
+        decoded = decode_priorities(memoryview(raw))
+        assert decoded.table == "tábla" and decoded.keys == [int(x) for x in updates]
+        assert decoded.deletes == [2**64 - 1, 5][-len(decoded.deletes):]
+        assert decoded.priorities.dtype == np.float64
+        assert decoded.priorities.tolist() == [float(x) for x in updates.values()]
     for bad in (raw[:-1], raw + b"\0", raw[:5], b"\x02\x00\x00\x00\x00\x00\x00\x00\x00\x00\xff\xfe"):
         with pytest.raises(ValueError, match="not a valid request message"):
             decode_priorities(memoryview(bad))
