@@ -85,6 +85,7 @@ DEFAULT_THREADS = 8
 TABLES_AT_ONCE = 8
 # A pooled SlotWriter unused this long is closed: the table gets its reserved slots back.
 WRITER_IDLE_S = 5.0
+READ_AHEAD_REQUESTS = 16  # requests a stream reads while its earlier items are written and committed
 _INSERT_STREAM = "/gear.v1.ReplayService/InsertStream"
 
 _Built = tuple[pb.PrioritizedItem, PreparedItem]
@@ -258,33 +259,55 @@ class IngestService:
     # ------------------------------------------------------------------ the RPC
     async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
                            context: aio.ServicerContext) -> AsyncIterator[pb.InsertStreamResponse]:
+        """Requests read ahead (``READ_AHEAD_REQUESTS``) while earlier items commit; what came meanwhile is
+        written and committed as one batch (one pool job, one wait, one acknowledgement), so a stream's
+        items are not each a commit round trip and the daemon gets fewer, larger commits."""
         chunks: dict[int, _Chunk] = {}
         held = self.buffers.stream()
+        ahead: asyncio.Queue = asyncio.Queue(READ_AHEAD_REQUESTS)
+        reader = asyncio.ensure_future(_read_ahead(request_iterator, ahead))
         n = -1
         try:
-            async for request in request_iterator:
-                n += 1
-                try:
-                    receive_chunks(request, chunks, held)
-                    built = [(item, build_item(item, chunks).validated()) for item in request.items]
-                except BadRequest as e:
-                    self.refusals.info("InsertStream request %d refused: %s", n, e)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except Exception as e:  # noqa: BLE001 (a limit: RESOURCE_EXHAUSTED; others raise)
-                    await abort_for(context, e)
+            ended = False
+            while not ended:
+                batch = [await ahead.get()]
+                while not ahead.empty():
+                    batch.append(ahead.get_nowait())
+                built: list[_Built] = []
+                failure: BaseException | None = None
+                for request in batch:
+                    if request is _END:
+                        ended = True
+                        break
+                    if isinstance(request, BaseException):  # reading failed: what came before still goes in
+                        failure = request
+                        break
+                    n += 1
+                    try:
+                        receive_chunks(request, chunks, held)
+                        built += [(item, build_item(item, chunks).validated()) for item in request.items]
+                    except Exception as e:  # noqa: BLE001 (after the earlier items: the stream's status)
+                        failure = e
+                        break
+                    for key in request.release_chunk_keys:  # the built items keep the rows they use
+                        released = chunks.pop(key, None)
+                        if released is not None:
+                            held.give(released.nbytes)
                 keys, error = await self._insert(built) if built else ([], None)
-                if error is not None:
-                    if keys:
-                        yield pb.InsertStreamResponse(keys=keys)
-                    self.refusals.info("InsertStream insert refused: %s", error)
-                    await _abort_like(error, context)
-                for key in request.release_chunk_keys:
-                    released = chunks.pop(key, None)
-                    if released is not None:
-                        held.give(released.nbytes)
                 if keys:
                     yield pb.InsertStreamResponse(keys=keys)
+                if error is not None:
+                    self.refusals.info("InsertStream insert refused: %s", error)
+                    await _abort_like(error, context)
+                if failure is not None:
+                    if isinstance(failure, BadRequest):
+                        self.refusals.info("InsertStream request %d refused: %s", n, failure)
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+                    if isinstance(failure, grpc.RpcError | asyncio.CancelledError):
+                        raise failure
+                    await abort_for(context, failure)
         finally:
+            reader.cancel()
             held.close()
 
     async def _insert(self, built: list[_Built]) -> tuple[list[int], BaseException | None]:
@@ -387,6 +410,22 @@ class IngestService:
             if not call.done():
                 call.cancel()
         return keys, None
+
+
+_END = object()  # the client half-closed its stream
+
+
+async def _read_ahead(request_iterator: AsyncIterator[pb.InsertStreamRequest], ahead: asyncio.Queue) -> None:
+    """A stream's requests into ``ahead`` (bounded: a full queue stops reading, and gRPC's flow control
+    holds the client), then ``_END``, or the error that ended the reading."""
+    try:
+        async for request in request_iterator:
+            await ahead.put(request)
+        await ahead.put(_END)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - handed to the stream's handler
+        await ahead.put(e)
 
 
 async def _abort_like(error: BaseException, context: aio.ServicerContext) -> NoReturn:

@@ -69,3 +69,41 @@ def test_a_worker_refuses_bad_requests_and_goes_on_serving():
         channel.close()
     finally:
         d.stop()
+
+
+def test_a_worker_batches_a_streams_requests_in_order_and_stops_at_a_bad_one():
+    """Requests read ahead are inserted as batches: every good one before a bad request is acknowledged
+    and in the table, in order; the bad one ends the stream (INVALID_ARGUMENT); nothing after it goes in."""
+    d = start(table_config("t", 64), workers=1)
+    try:
+        port = d.ingest.ports()[0]
+        channel = grpc.insecure_channel(f"localhost:{port}")
+        stub = pb_grpc.ReplayServiceStub(channel)
+
+        def good(key: int) -> pb.InsertStreamRequest:
+            data = np.full(4, key, np.float32).tobytes()
+            return pb.InsertStreamRequest(
+                chunks=[pb.ChunkData(chunk_key=key, data=pb.Tensor(dtype="<f4", shape=[1, 4], data=data))],
+                items=[pb.PrioritizedItem(key=key, table="t", priority=1.0, structure=pb.Structure(kind=pb.Structure.LEAF),
+                                          columns=[pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=key, length=1)])])],
+                release_chunk_keys=[key])
+
+        bad = pb.InsertStreamRequest(items=[pb.PrioritizedItem(key=999, table="t", priority=1.0, columns=[
+            pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=12345, offset=0, length=1)])],
+            structure=pb.Structure(kind=pb.Structure.LEAF))])
+        requests = [good(k) for k in range(1, 41)] + [bad] + [good(k) for k in range(41, 46)]
+        acked: list[int] = []
+        call = stub.InsertStream(iter(requests), timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            for response in call:
+                acked.extend(response.keys)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown chunk 12345" in e.value.details()
+        assert acked == list(range(1, 41))
+        table = d.tables["t"]
+        assert table.size() == 40
+        snap = table.snapshot()  # one step per item, oldest first: each item's row holds its key
+        assert snap.arrays["lengths"].ravel().tolist() == [1] * 40
+        assert snap.arrays["column/0"][:, 0].astype(int).tolist() == list(range(1, 41))
+        channel.close()
+    finally:
+        d.stop()
