@@ -23,12 +23,14 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 
@@ -148,6 +150,8 @@ class ShardSet:
         self._pool = futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses) + 2),
                                                 thread_name_prefix="gear-shards")
         self._owners: dict[int, int] = {}  # key -> shard index, in the order learnt
+        self._learnt: deque[tuple[np.ndarray, int]] = deque()  # (keys, shard index) not yet in _owners
+        self._learnt_keys = 0
         self._rejoin_listeners: list[Callable[[Shard], None]] = []
         self.shards: list[Shard] = self._connect(addresses, make_client)
 
@@ -264,22 +268,40 @@ class ShardSet:
             return [s.state() for s in self.shards]
 
     # ------------------------------------------------------------------ key ownership
-    def learn_owners(self, keys: Iterable[int], shard: Shard) -> None:
-        """Remember that ``keys`` live on ``shard`` (bounded: past MAX_CACHED_KEYS the oldest half goes)."""
+    def learn_owners(self, keys: np.ndarray, shard: Shard) -> None:
+        """Remember that ``keys`` live on ``shard`` (bounded: past MAX_CACHED_KEYS the oldest half goes).
+
+        Kept as an array until an owner is asked: a learner that never mutates pays nothing per batch.
+        """
+        keys = np.array(keys, dtype=np.uint64)
         with self._lock:
-            owners = self._owners
-            owners.update(zip(keys, itertools.repeat(shard.index)))
-            if len(owners) > MAX_CACHED_KEYS:
-                for key in list(itertools.islice(owners, len(owners) - MAX_CACHED_KEYS // 2)):
-                    del owners[key]
+            self._learnt.append((keys, shard.index))
+            self._learnt_keys += len(keys)
+            if self._learnt_keys > MAX_CACHED_KEYS:
+                self._fold_locked()
+
+    def _fold_locked(self) -> None:
+        """The keys learnt since into ``_owners``, in the order learnt, then trimmed (lock held)."""
+        owners = self._owners
+        while self._learnt:
+            keys, index = self._learnt.popleft()
+            owners.update(zip(keys.tolist(), itertools.repeat(index)))
+        self._learnt_keys = 0
+        if len(owners) > MAX_CACHED_KEYS:
+            for key in list(itertools.islice(owners, len(owners) - MAX_CACHED_KEYS // 2)):
+                del owners[key]
 
     def owner(self, key: int) -> Shard | None:
         with self._lock:
+            if self._learnt:
+                self._fold_locked()
             index = self._owners.get(int(key))
         return None if index is None else self.shards[index]
 
     def forget_owners(self, keys: Iterable[int]) -> None:
         with self._lock:
+            if self._learnt:
+                self._fold_locked()
             for key in keys:
                 self._owners.pop(int(key), None)
 

@@ -262,7 +262,7 @@ class ShardedSampler:
             else:
                 infos = tuple(np.concatenate([getattr(p, f) for p in ps])
                               for f in ("keys", "priorities", "probabilities", "table_sizes"))
-            self.shards.learn_owners(infos[0].tolist(), self.shards.shards[index])
+            self.shards.learn_owners(infos[0], self.shards.shards[index])
             per_shard[index] = infos[1:]
             flat.extend(ps)
         size, probabilities = globalise(policy, weights, per_shard)
@@ -374,6 +374,8 @@ class ShardedSampler:
         streams: dict[int, ShardStream] = {}
         chunk = max(STREAM_MIN_CHUNK, num_samples)  # a batch a chunk: each takes ~its share of one, in ~1 piece
         asked = -math.inf
+        with self._lock:  # this generator's own (seeded from the sampler's: seeded runs reproduce)
+            rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
         try:
             while True:
                 if self.closed:
@@ -394,7 +396,6 @@ class ShardedSampler:
                 current = {i: st.weight for i, st in streams.items() if st.weight is not None}
                 with self._lock:
                     counts = split(policy, list(current.values()), num_samples, self._rng)
-                    rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
                 if not counts:  # no item anywhere yet: the streams wait for the first ones
                     counts = {i: 0 for i in streams}
                 pieces = self._take(streams, policy, counts, num_samples, rng, timeout)

@@ -56,7 +56,8 @@ class ShardStream:
         self._window = window
         self._queue: queue.Queue[SampledBatch | StreamFailed] = queue.Queue(maxsize=STREAM_DEPTH)
         self._stop = threading.Event()
-        self._leftover: SampledBatch | None = None
+        self._leftover: SampledBatch | None = None  # the chunk being taken from, from row ``_offset``
+        self._offset = 0
         self._thread = threading.Thread(target=self._run, name=f"gear-shard-stream-{shard.index}", daemon=True)
         self._thread.start()
 
@@ -89,8 +90,8 @@ class ShardStream:
         """
         pieces: list[SampledBatch] = []
         while n > 0:
-            chunk = self._leftover
-            self._leftover = None
+            chunk, offset = self._leftover, self._offset
+            self._leftover, self._offset = None, 0
             if chunk is None:
                 try:
                     item = self._queue.get(timeout=wait_s)
@@ -101,10 +102,10 @@ class ShardStream:
                     raise StreamError(str(item.error)) from item.error
                 chunk = item
                 self._learn(chunk)
-            k = min(n, len(chunk))
-            pieces.append(rows(chunk, 0, k))
-            if k < len(chunk):
-                self._leftover = rows(chunk, k, len(chunk))
+            k = min(n, len(chunk) - offset)
+            pieces.append(rows(chunk, offset, offset + k))  # one view per piece: the rest stays the chunk's
+            if offset + k < len(chunk):
+                self._leftover, self._offset = chunk, offset + k
             n -= k
         return pieces, n
 
