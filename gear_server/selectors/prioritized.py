@@ -3,7 +3,8 @@
 Priority 0 has weight 0 even for exponent 0; when every weight is 0 the pick is
 uniform (as Reverb). The weights live in a flat array cut into blocks of
 ``block`` slots with a sum per block (a two-level sum tree): a priority change
-recomputes one block sum; a batch of picks searches the cumulative block sums,
+marks its block, whose sum is recomputed when next read (a batch of changes
+costs its weights; the sums follow once, before the next pick); a batch of picks searches the cumulative block sums,
 then the cumulative weights inside each chosen block. Both steps are numpy
 calls over O(N / block + n * block) numbers, so a batch over 1M items costs
 tens of microseconds instead of a full O(N) scan.
@@ -20,6 +21,8 @@ from gear_contract.selectors import priority_weights
 from gear_server.selectors.base import Selector
 from gear_server.selectors.offload import WeightOffload
 from gear_server.selectors.uniform import Uniform
+
+STALE_SLOTS_MAX = 1 << 16  # updated slots whose block sums may wait for the next read
 
 
 def block_size_for(capacity: int) -> int:
@@ -46,6 +49,8 @@ class Prioritized(Selector):
         self._w2d = self._w.reshape(self._nblocks, self.block)
         self._bsum = np.zeros(self._nblocks, np.float64)
         self._cum: np.ndarray | None = None
+        self._stale: list[np.ndarray] = []  # slots updated since their blocks' sums were (``_sums``)
+        self._stale_count = 0
         self._offload = WeightOffload(self._w)  # GPU kernels / NumPy twin where they beat the CPU structure
 
     def __len__(self) -> int:
@@ -63,7 +68,7 @@ class Prioritized(Selector):
         old = self._w[: self.capacity].copy()
         self._alloc(capacity)
         self._w[: len(old)] = old
-        self._bsum[:] = self._w2d.sum(axis=1)
+        self._bsum[:] = self._w2d.sum(axis=1)  # the fresh _alloc has no stale blocks
         self._members.resize(capacity)
         self.capacity = int(capacity)
 
@@ -86,10 +91,22 @@ class Prioritized(Selector):
         if slots.size == 0:
             return
         self._w[slots] = priority_weights(priorities, self.exponent)
-        blocks = np.unique(slots // self.block)
-        self._bsum[blocks] = self._w2d[blocks].sum(axis=1)
+        self._stale.append(slots)  # block sums follow when next read: a mutate's latency is the weights only
+        self._stale_count += len(slots)
+        if self._stale_count > STALE_SLOTS_MAX:
+            self._sums()
         self._cum = None
         self._offload.touch_many(slots)
+
+    def _sums(self) -> np.ndarray:
+        """The block sums, those of blocks updated since recomputed first."""
+        if self._stale:
+            slots = self._stale[0] if len(self._stale) == 1 else np.concatenate(self._stale)
+            self._stale, self._stale_count = [], 0
+            blocks = np.unique(slots // self.block)
+            self._bsum[blocks] = self._w2d[blocks].sum(axis=1)
+            self._cum = None
+        return self._bsum
 
     def delete(self, slot: int) -> None:
         self._members.delete(slot)
@@ -99,6 +116,7 @@ class Prioritized(Selector):
         self._members.clear()
         self._w[:] = 0.0
         self._bsum[:] = 0.0
+        self._stale, self._stale_count = [], 0
         self._cum = None
         self._offload.reset()
 
@@ -110,8 +128,9 @@ class Prioritized(Selector):
         return pb.ShardSelectionState(priority_mass=self.total_weight())
 
     def _cumsum(self) -> np.ndarray:
+        sums = self._sums()
         if self._cum is None:
-            self._cum = np.cumsum(self._bsum)
+            self._cum = np.cumsum(sums)
         return self._cum
 
     def probability(self, slots: np.ndarray) -> np.ndarray:

@@ -107,6 +107,35 @@ def test_prioritized_updates_and_deletes_change_distribution():
     assert probs[picked == 3][0] == pytest.approx(0.5)
 
 
+def test_prioritized_batched_updates_keep_the_mass_exact_however_their_block_sums_are_deferred(monkeypatch):
+    """update_many leaves block sums to the next read; a single update, a delete, a resize and the
+    fold past STALE_SLOTS_MAX in between never leave a stale sum behind."""
+    import gear_server.selectors.prioritized as prioritized
+
+    monkeypatch.setattr(prioritized, "STALE_SLOTS_MAX", 300)
+    sel = Prioritized(4000, priority_exponent=0.5)
+    fill(sel, [4.0] * 4000)
+    gen = rng(8)
+    want = np.full(4000, 2.0)  # weights 4 ** 0.5
+    for step in range(40):
+        slots = gen.choice(4000, 64, replace=False)
+        prios = gen.uniform(0, 9, 64)
+        sel.update_many(slots, prios, np.arange(64) + 100 * step)
+        want[slots] = prios ** 0.5
+        if step % 7 == 3:
+            sel.update(int(slots[0]), 16.0, 10_000 + step)
+            want[slots[0]] = 4.0
+        if step % 11 == 5:
+            sel.delete(int(slots[1]))
+            want[slots[1]] = 0.0
+        if step % 5 == 0:
+            assert sel.total_weight() == pytest.approx(want.sum())
+    sel.resize(8000)
+    assert sel.total_weight() == pytest.approx(want.sum())
+    picked, probs = sel.sample(5000, rng(9))
+    np.testing.assert_allclose(probs, want[picked] / want.sum())
+
+
 def test_prioritized_resize_keeps_weights():
     sel = Prioritized(16, priority_exponent=1.0)
     fill(sel, [1.0, 3.0])
