@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 import gear_client as reverb  # noqa: E402
 from gear_contract._proto import replay_pb2 as pb  # noqa: E402
 from gear_contract._proto import replay_pb2_grpc as pb_grpc  # noqa: E402
+from gear_contract.local_lane import SELECT  # noqa: E402
 from gear_contract.negotiation import local_host_id  # noqa: E402
 
 ITEMS_PER_ACTOR = 5
@@ -221,6 +222,14 @@ def latencies(daemon: DaemonProcess, rounds: int) -> dict:
     for n in (32, 256):
         out[f"select_b{n}_ms"] = _median_ms(lambda n=n: select(n), rounds)
     out["select_4x32_ms_per_batch"] = _median_ms(lambda: select(32, 4), rounds) / 4
+    lane = client._daemon_channel().local_lane()  # what a learner on the daemon's host uses
+    if lane is not None:
+        def select_on_lane(n: int) -> None:
+            request = pb.SelectRequest(session_id=session, num_samples=n, packed=True, release_lease_ids=held)
+            held[:] = [pb.SelectResponse.FromString(lane.call(SELECT, request.SerializeToString())).lease_id]
+
+        for n in (32, 256):
+            out[f"select_lane_b{n}_ms"] = _median_ms(lambda n=n: select_on_lane(n), rounds)
     return out
 
 
@@ -342,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  mutate_priorities of {batch:>3} keys: median {lat[f'mutate_b{batch}_ms']:.3f} ms  "
               f"{against(lat[f'mutate_b{batch}_ms'], batch)}")
     for batch in (32, 256):
-        print(f"  Select round trip, {batch:>3} items: median {lat[f'select_b{batch}_ms']:.3f} ms  "
+        print(f"  Select round trip over gRPC, {batch:>3} items: median {lat[f'select_b{batch}_ms']:.3f} ms  "
               f"{against(lat[f'select_b{batch}_ms'], batch)}")
+    for batch in (32, 256):
+        if f"select_lane_b{batch}_ms" in lat:
+            print(f"  Select round trip over the local lane (a learner on the daemon's host), {batch:>3} items: "
+                  f"median {lat[f'select_lane_b{batch}_ms']:.3f} ms  {against(lat[f'select_lane_b{batch}_ms'], batch)}")
     print(f"  Select of 4 batches of 32 (num_batches=4): {lat['select_4x32_ms_per_batch']:.3f} ms per batch  "
           f"{against(lat['select_4x32_ms_per_batch'], 32)}")
     if args.json:

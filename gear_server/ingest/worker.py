@@ -32,6 +32,9 @@ Acknowledgements, errors and back-pressure are InsertStream's: a request's keys
 are acknowledged once its items are committed (after the rate limiter let them
 in); a bad item ends the stream with INVALID_ARGUMENT; an error of the daemon
 ends it with the daemon's status (keys committed before it are acknowledged).
+A stream's requests are read ahead (``READ_AHEAD_REQUESTS``) while its earlier
+items commit, and those that came meanwhile are written and committed as one
+batch: a network actor's items are not each a commit round trip.
 
 Run as ``python -m gear_server.ingest.worker --daemon unix:PATH --bind HOST``; it
 prints ``PORT <n>`` once it serves and exits on SIGTERM or when its parent
