@@ -53,6 +53,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ TABLES_AT_ONCE = 8
 # A pooled SlotWriter unused this long is closed: the table gets its reserved slots back.
 WRITER_IDLE_S = 5.0
 READ_AHEAD_REQUESTS = 16  # requests a stream reads while its earlier items are written and committed
+READ_AHEAD_BYTES = 4 << 20  # ... and their bytes (one request always, however large)
 _INSERT_STREAM = "/gear.v1.ReplayService/InsertStream"
 
 _Built = tuple[pb.PrioritizedItem, PreparedItem]
@@ -267,15 +269,13 @@ class IngestService:
         items are not each a commit round trip and the daemon gets fewer, larger commits."""
         chunks: dict[int, _Chunk] = {}
         held = self.buffers.stream()
-        ahead: asyncio.Queue = asyncio.Queue(READ_AHEAD_REQUESTS)
-        reader = asyncio.ensure_future(_read_ahead(request_iterator, ahead))
+        ahead = _ReadAhead()
+        reader = asyncio.ensure_future(ahead.read(request_iterator))
         n = -1
         try:
             ended = False
             while not ended:
-                batch = [await ahead.get()]
-                while not ahead.empty():
-                    batch.append(ahead.get_nowait())
+                batch = await ahead.take_all()
                 built: list[_Built] = []
                 failure: BaseException | None = None
                 for request in batch:
@@ -418,17 +418,49 @@ class IngestService:
 _END = object()  # the client half-closed its stream
 
 
-async def _read_ahead(request_iterator: AsyncIterator[pb.InsertStreamRequest], ahead: asyncio.Queue) -> None:
-    """A stream's requests into ``ahead`` (bounded: a full queue stops reading, and gRPC's flow control
-    holds the client), then ``_END``, or the error that ended the reading."""
-    try:
-        async for request in request_iterator:
-            await ahead.put(request)
-        await ahead.put(_END)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - handed to the stream's handler
-        await ahead.put(e)
+class _ReadAhead:
+    """A stream's requests read while its earlier items commit: at most ``READ_AHEAD_REQUESTS`` and
+    ``READ_AHEAD_BYTES`` wait (one request always may, however large); past that the stream is not
+    read, and gRPC's flow control holds the client. Memory per stream stays bounded as when each
+    request was read only after the previous one's commit."""
+
+    def __init__(self) -> None:
+        self._waiting: deque = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()  # something to take
+        self._room = asyncio.Event()  # room for the next request
+        self._room.set()
+
+    async def read(self, request_iterator: AsyncIterator[pb.InsertStreamRequest]) -> None:
+        """Every request, then ``_END``, or the error that ended the reading (run as a task)."""
+        try:
+            async for request in request_iterator:
+                await self._put(request, request.ByteSize())
+            await self._put(_END, 0)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the stream's handler
+            await self._put(e, 0)
+
+    async def _put(self, entry: object, nbytes: int) -> None:
+        while self._waiting and (len(self._waiting) >= READ_AHEAD_REQUESTS
+                                 or self._bytes + nbytes > READ_AHEAD_BYTES):
+            self._room.clear()
+            await self._room.wait()
+        self._waiting.append(entry)
+        self._bytes += nbytes
+        self._ready.set()
+
+    async def take_all(self) -> list:
+        """Every request waiting, in order (waits for one)."""
+        while not self._waiting:
+            self._ready.clear()
+            await self._ready.wait()
+        taken = list(self._waiting)
+        self._waiting.clear()
+        self._bytes = 0
+        self._room.set()
+        return taken
 
 
 async def _abort_like(error: BaseException, context: aio.ServicerContext) -> NoReturn:
