@@ -254,9 +254,9 @@ class Table:
                                deletes: Iterable[int] | None = None) -> None:
         """``mutate_priorities`` of decoded arrays: ``keys[i]`` gets ``priorities[i]`` (float64)."""
         st = self._state
+        if len(keys) != len(priorities):
+            raise ValueError(f"{len(keys)} keys but {len(priorities)} priorities")
         prios = check_priorities(keys, priorities)
-        if len(keys) != len(prios):
-            raise ValueError(f"{len(keys)} keys but {len(prios)} priorities")
         delete_keys = list(deletes) if deletes is not None else []
         twice = len(keys) > 1 and len(set(keys)) != len(keys)
         with st.lock:
