@@ -5,8 +5,10 @@ one thread wakes per call and no event-loop or pool hop is paid, which is what
 brings a call under Reverb's. A plain handler runs on that thread (it may block
 on a table's lock: these threads are not the event loop). A coroutine handler
 (a servicer method that waits on asyncio: Select's rate-limiter waits) runs on
-the daemon's event loop with a ``LaneContext`` for its context; a client that
-goes away meanwhile cancels it, as gRPC cancels the RPC. Connections are capped
+an event loop of the connection's own thread, with a ``LaneContext`` for its
+context (its table work inline: ``table_calls.InlineTableCalls``); a client
+that goes away meanwhile (its socket reads EOF) cancels it, as gRPC cancels the
+RPC. Connections are capped
 (``max_connections``: a client beyond it is answered RESOURCE_EXHAUSTED and
 keeps using gRPC). Handlers raise table errors (or abort through their
 context); they end the call with the status ``gear_server.statuses.status_of``
@@ -52,7 +54,6 @@ DEFAULT_MAX_CONNECTIONS = 64
 MAX_UNAUTHENTICATED = 8  # connections still before their hello (any local process can open one)
 HELLO_TIMEOUT_S = 5.0  # the whole hello, however slowly its bytes come
 CLOSE_WAIT_S = 5.0  # how long close() waits for calls being answered
-PEER_CHECK_S = 0.05  # how often a connection waiting on the loop checks that its client is still there
 KEEP_BUFFER_BYTES = 1 << 20  # a connection's read buffer goes back to 64 KiB after a larger request
 _OK = grpc.StatusCode.OK.value[0]
 
@@ -88,21 +89,15 @@ class _PeerGone(Exception):
 
 
 class LocalLaneServer:
-    """Serves ``handlers`` (method kind -> handler of the request bytes) on an abstract Unix socket.
+    """Serves ``handlers`` (method kind -> handler of the request bytes) on an abstract Unix socket."""
 
-    ``loop``: the event loop coroutine handlers run on (needed when there are any).
-    """
-
-    def __init__(self, handlers: Mapping[int, Handler], *, loop: asyncio.AbstractEventLoop | None = None,
-                 metrics=None, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+    def __init__(self, handlers: Mapping[int, Handler], *, metrics=None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         unknown = set(handlers) - set(METHODS)
         if unknown:
             raise ValueError(f"no lane method of kind(s) {sorted(unknown)}")
         self.handlers = dict(handlers)
         self._on_loop = {kind for kind, handler in handlers.items() if inspect.iscoroutinefunction(handler)}
-        if self._on_loop and loop is None:
-            raise ValueError("coroutine handlers need the event loop they run on")
-        self.loop = loop
         self.metrics = metrics
         self.max_connections = max_connections
         self.name = f"gear.lane.{os.getpid()}.{secrets.token_hex(8)}"
@@ -172,6 +167,7 @@ class LocalLaneServer:
     def _serve(self, conn: socket.socket) -> None:
         buffer = bytearray(64 << 10)
         authenticated = False
+        loop: asyncio.AbstractEventLoop | None = None  # this connection's, made at its first coroutine call
         try:
             kind, payload, buffer = _read_frame(conn, buffer, MAX_HELLO_BYTES,
                                                 deadline=time.monotonic() + HELLO_TIMEOUT_S)
@@ -197,7 +193,9 @@ class LocalLaneServer:
                 with self._lock:
                     self._in_call += 1
                 try:
-                    answer, code = self._call(kind, payload, conn)
+                    if kind in self._on_loop and loop is None:
+                        loop = asyncio.new_event_loop()
+                    answer, code = self._call(kind, payload, conn, loop)
                     conn.sendall(answer)
                 finally:
                     with self._idle:
@@ -216,16 +214,19 @@ class LocalLaneServer:
                 self._connections.discard(conn)
                 if not authenticated:
                     self._unauthenticated -= 1
+            if loop is not None:
+                loop.close()
             conn.close()
 
-    def _call(self, kind: int, payload: memoryview, conn: socket.socket) -> tuple[bytes, grpc.StatusCode]:
+    def _call(self, kind: int, payload: memoryview, conn: socket.socket,
+              loop: asyncio.AbstractEventLoop | None) -> tuple[bytes, grpc.StatusCode]:
         """The answer frame of one call and its status."""
         handler = self.handlers.get(kind)
         if handler is None:
             raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"no local lane method of kind {kind}")
         try:
             if kind in self._on_loop:
-                return frame(_OK, self._run_on_loop(handler, bytes(payload), conn)), grpc.StatusCode.OK
+                return frame(_OK, _run_here(loop, handler, bytes(payload), conn)), grpc.StatusCode.OK
             return frame(_OK, handler(payload)), grpc.StatusCode.OK
         except _PeerGone:
             if self.metrics is not None:
@@ -235,19 +236,30 @@ class LocalLaneServer:
             code, message = _status(e, METHODS[kind])
             return frame(code.value[0], message.encode()), code
 
-    def _run_on_loop(self, handler: Callable, request: bytes, conn: socket.socket) -> bytes:
-        """A coroutine handler's answer, run on the loop; cancelled (``_PeerGone``) if the client leaves."""
-        try:
-            future = asyncio.run_coroutine_threadsafe(handler(request, LaneContext()), self.loop)
-        except RuntimeError:  # the loop is closed: the daemon is stopping
-            raise LaneAbort(grpc.StatusCode.UNAVAILABLE, "the daemon is stopping") from None
-        while True:
-            try:
-                return future.result(PEER_CHECK_S)
-            except TimeoutError:
-                if _peer_gone(conn):
-                    future.cancel()
-                    raise _PeerGone from None
+
+def _run_here(loop: asyncio.AbstractEventLoop, handler: Callable, request: bytes, conn: socket.socket) -> bytes:
+    """A coroutine handler's answer, run on this connection thread's ``loop``; cancelled (``_PeerGone``)
+    when the client leaves meanwhile (its socket turns readable at EOF: one call at a time, nothing
+    else comes while a call is answered)."""
+    task = loop.create_task(handler(request, LaneContext()))
+    gone = False
+
+    def readable() -> None:
+        nonlocal gone
+        loop.remove_reader(conn.fileno())  # once: bytes that are not an EOF are the next read's error
+        if _peer_gone(conn):
+            gone = True
+            task.cancel()
+
+    loop.add_reader(conn.fileno(), readable)
+    try:
+        return loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        if gone:
+            raise _PeerGone from None
+        raise LaneAbort(grpc.StatusCode.CANCELLED, "the call was cancelled") from None
+    finally:
+        loop.remove_reader(conn.fileno())
 
 
 def _status(error: BaseException, method: str | None) -> tuple[grpc.StatusCode, str]:

@@ -50,7 +50,7 @@ from gear_server.local_lane import LaneContext, LocalLaneServer
 from gear_server.metrics import ServerMetrics
 from gear_server.statuses import RefusalLog, abort_for, find_table, status_of
 from gear_server.table import Table
-from gear_server.table_calls import JoinedSelection, TableCalls
+from gear_server.table_calls import InlineTableCalls, JoinedSelection, TableCalls
 
 log = logging.getLogger(__name__)
 
@@ -390,16 +390,19 @@ class ReplayService:
         handlers: dict[int, Any] = {MUTATE_PRIORITIES: self.mutate_priorities_now}
         if self.data_planes is not None:
             handlers.update({SELECT: self._select_on_lane, RELEASE: self._release_on_lane})
-        lane = LocalLaneServer(handlers, loop=loop, metrics=self.metrics)
+        lane = LocalLaneServer(handlers, metrics=self.metrics)
         if lane.start():
             self.local_lane = lane
             self._lane_task = loop.create_task(self._close_lane_after(server))
 
     async def _select_on_lane(self, request: bytes, context: LaneContext) -> bytes:
-        return (await self.data_planes.select(_parse(pb.SelectRequest, request), context)).SerializeToString()
+        """On the lane connection's own loop: the table work inline, no hop to the daemon's loop or pool."""
+        return (await self.data_planes.select(_parse(pb.SelectRequest, request), context,
+                                              _INLINE_CALLS)).SerializeToString()
 
     async def _release_on_lane(self, request: bytes, context: LaneContext) -> bytes:
-        return (await self.data_planes.release(_parse(pb.ReleaseRequest, request), context)).SerializeToString()
+        return (await self.data_planes.release(_parse(pb.ReleaseRequest, request), context,
+                                               _INLINE_CALLS)).SerializeToString()
 
     async def _close_lane_after(self, server: aio.Server) -> None:
         try:
@@ -413,6 +416,9 @@ class ReplayService:
         lane, self.local_lane = self.local_lane, None
         if lane is not None:
             lane.close() if wait_s is None else lane.close(wait_s)
+
+
+_INLINE_CALLS = InlineTableCalls()  # the local lane's: each connection thread runs its own loop
 
 
 def _identity(data: bytes) -> bytes:

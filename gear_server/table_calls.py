@@ -215,6 +215,33 @@ def _more_batches(table: Table, n: int, count: int, by_reference: bool) -> list[
     return more
 
 
+class InlineTableCalls(TableCalls):
+    """``TableCalls`` whose table work runs on the calling thread (awaited as before, waits still on
+    asyncio): for a thread that runs an event loop of its own for one caller (a local-lane
+    connection), where a hop to the pool and back would only add thread switches."""
+
+    def __init__(self) -> None:  # no pool: nothing to shut down
+        self.workers = 0
+        self.executor = _Inline()
+
+    def shutdown(self) -> None:
+        pass
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    async def _attempt(self, ticket: WaitTicket, on_orphan: Callable[[Any], None] | None,
+                       fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)  # nothing awaited meanwhile: the caller cannot leave mid-attempt
+
+
+class _Inline:
+    """An executor that runs what it is given at once (``InlineTableCalls``' releases)."""
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> None:
+        fn(*args)
+
+
 class _Waiter:
     """One call's ticket and the wake it waits for; the asyncio event is made only when it must wait."""
 

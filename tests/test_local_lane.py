@@ -501,3 +501,36 @@ def test_waiting_select_ends_with_its_caller_or_its_session():
         client.close()
     finally:
         d.stop()
+
+
+def test_lane_select_and_release_run_on_the_connection_thread(daemon, monkeypatch):
+    """A lane Select (and Release) is answered on its connection's thread, table work inline: neither
+    the daemon's event loop nor its table pool is asked, while the same call over gRPC uses them."""
+    client = gear_client.Client(daemon.address(), data_planes=())
+    _fill(client, 8)
+    stub = client._daemon_channel().stub
+    lane = open_local_lane(stub)
+    session = _session(stub)
+    pool_calls = []
+    calls = daemon.service.data_planes.calls
+    real_sample_batches, real_run = calls.sample_batches, calls.run
+
+    async def counted_sample_batches(*args, **kwargs):
+        pool_calls.append("sample_batches")
+        return await real_sample_batches(*args, **kwargs)
+
+    async def counted_run(*args):
+        pool_calls.append("run")
+        return await real_run(*args)
+
+    monkeypatch.setattr(calls, "sample_batches", counted_sample_batches)
+    monkeypatch.setattr(calls, "run", counted_run)
+    answer = pb.SelectResponse.FromString(lane.call(SELECT, _select(session, 4)))
+    released = pb.ReleaseResponse.FromString(lane.call(RELEASE, pb.ReleaseRequest(
+        session_id=session, lease_ids=[answer.lease_id]).SerializeToString()))
+    assert len(np.frombuffer(answer.keys.data, "<u8")) == 4 and not released.stale_lease_ids
+    assert pool_calls == []
+    stub.Select(pb.SelectRequest(session_id=session, num_samples=2, packed=True), timeout=10)
+    assert "sample_batches" in pool_calls
+    lane.close()
+    client.close()

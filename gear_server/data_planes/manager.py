@@ -175,14 +175,17 @@ class DataPlaneManager:
             response.region.CopyFrom(region)
         return response
 
-    async def select(self, request: pb.SelectRequest, context: aio.ServicerContext) -> pb.SelectResponse:
+    async def select(self, request: pb.SelectRequest, context: aio.ServicerContext,
+                     calls: TableCalls | None = None) -> pb.SelectResponse:
         """Lease ``num_samples`` items (fewer only if the timeout passes after some were picked).
 
         Waits on the table's rate limiter like the Sample RPC; gives up (CANCELLED)
         when the RPC ends or the session is closed meanwhile. With ``num_batches`` > 1,
         further batches of ``num_samples`` follow in the same answer as long as the
-        rate limiter allows them at once (each batch its own lease).
+        rate limiter allows them at once (each batch its own lease). ``calls``: where
+        the table work runs (default the daemon's pool; the local lane runs it inline).
         """
+        calls = calls if calls is not None else self.calls
         session = await self._session(request.session_id, context)
         n = int(request.num_samples)
         batches = max(1, int(request.num_batches))
@@ -205,7 +208,7 @@ class DataPlaneManager:
         try:
             if session.closed:
                 raise asyncio.CancelledError
-            picked = await self.calls.sample_batches(table, n, timeout, batches, by_reference=True,
+            picked = await calls.sample_batches(table, n, timeout, batches, by_reference=True,
                                                      prelude=release_first if ended else None)
         except NeedsInlinePlane as exc:  # nothing was taken: the learner negotiates again and is answered inline
             self.sessions.close(session.session_id)
@@ -244,7 +247,7 @@ class DataPlaneManager:
         response.stale_lease_ids.extend(stale)
         if joined.layout_version != session.layout_version:
             try:
-                await self.calls.run(self._send_layout, session, table, response, context)
+                await calls.run(self._send_layout, session, table, response, context)
             except OSError as exc:
                 self.sessions.release(session, lease_ids)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -266,9 +269,11 @@ class DataPlaneManager:
                 raise OSError(f"registering the grown segment for RDMA failed: {exc}") from exc
         session.layout_version = layout.version
 
-    async def release(self, request: pb.ReleaseRequest, context: aio.ServicerContext) -> pb.ReleaseResponse:
+    async def release(self, request: pb.ReleaseRequest, context: aio.ServicerContext,
+                      calls: TableCalls | None = None) -> pb.ReleaseResponse:
         session = await self._session(request.session_id, context)
-        stale = await self.calls.run(self.sessions.release, session, list(request.lease_ids))
+        calls = calls if calls is not None else self.calls
+        stale = await calls.run(self.sessions.release, session, list(request.lease_ids))
         return pb.ReleaseResponse(stale_lease_ids=stale)
 
     async def close(self, request: pb.CloseDataPlaneRequest,
