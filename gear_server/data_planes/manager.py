@@ -96,7 +96,10 @@ class DataPlaneManager:
         with self._selects_lock:
             waiting = self._selects.pop(session.session_id, ())
         for loop, task in waiting:
-            loop.call_soon_threadsafe(task.cancel)
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # that loop is closed (a lane connection that ended): nothing waits there
+                pass
         if session.resources is not None and self.rdma is not None:
             try:
                 self.rdma.close_session(session.resources)
