@@ -55,6 +55,8 @@ EMPTY_POLL_S = (0.005, 0.2)  # first and longest wait between looks at a table w
 READ_AHEAD_ITEMS = 128  # batches(): items selected together (one split, one part per shard)
 READ_AHEAD_GROUPS = 2  # batches(): groups fetched at once
 STREAM_WEIGHTS_REFRESH_S = 1.0  # batches() over streams: how often every shard's size and mass are asked
+STREAM_GROUP_BATCHES = 4  # batches() over streams: batches assembled together (at most STREAM_GROUP_ITEMS items)
+STREAM_GROUP_ITEMS = 1024
 # batches() over streams: items a shard's chunk holds at least. A chunk is a whole batch (not the shard's
 # share): a batch then takes about one piece per shard (fewer pieces to assemble, fewer queue hand-offs).
 STREAM_MIN_CHUNK = 8
@@ -370,9 +372,13 @@ class ShardedSampler:
                 future.cancel()
 
     def _streamed(self, num_samples: int, window: WindowSpec, timeout: float | None):
-        """Batches cut from the shards' streams (see ``streams``)."""
+        """Batches cut from the shards' streams (see ``streams``), a group of up to ``STREAM_GROUP_BATCHES``
+        at a time: one split, one take and one assembly (one kernel launch on a GPU) for the group, whose
+        rows are shuffled together and cut into batches (independent draws, as the other samplers' groups):
+        the learner's thread pays its per-assembly Python once per group, not once per batch."""
         streams: dict[int, ShardStream] = {}
         chunk = max(STREAM_MIN_CHUNK, num_samples)  # a batch a chunk: each takes ~its share of one, in ~1 piece
+        group = num_samples * max(1, min(STREAM_GROUP_BATCHES, STREAM_GROUP_ITEMS // num_samples))
         asked = -math.inf
         with self._lock:  # this generator's own (seeded from the sampler's: seeded runs reproduce)
             rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
@@ -395,14 +401,16 @@ class ShardedSampler:
                 policy = self._policy
                 current = {i: st.weight for i, st in streams.items() if st.weight is not None}
                 with self._lock:
-                    counts = split(policy, list(current.values()), num_samples, self._rng)
+                    counts = split(policy, list(current.values()), group, self._rng)
                 if not counts:  # no item anywhere yet: the streams wait for the first ones
                     counts = {i: 0 for i in streams}
-                pieces = self._take(streams, policy, counts, num_samples, rng, timeout)
+                pieces = self._take(streams, policy, counts, group, rng, timeout)
                 if not pieces:
                     continue
                 latest = {i: st.weight for i, st in streams.items() if st.weight is not None}
-                yield self._assemble(policy, latest, pieces, rng)
+                assembled = self._assemble(policy, latest, pieces, rng)
+                for start in range(0, len(assembled), num_samples):
+                    yield rows(assembled, start, min(start + num_samples, len(assembled)))
         finally:
             for index in list(streams):
                 self._end_stream(streams, index)
