@@ -35,6 +35,7 @@ from gear_contract.local_lane import (
     MAX_REQUEST_BYTES,
     frame,
     hello,
+    lane_enabled,
     parse_advertisement,
 )
 from gear_contract.negotiation import local_host_id
@@ -44,7 +45,6 @@ __all__ = ["LocalLane", "LanePending", "LaneFuture", "LaneBroken", "LaneStatusEr
 
 log = logging.getLogger(__name__)
 
-LANE_ENV = "GEAR_LOCAL_LANE"
 _OK = grpc.StatusCode.OK.value[0]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _NEGOTIATE_TIMEOUT_S = 5.0
@@ -77,11 +77,6 @@ class LaneBroken(LaneStatusError):
 
 
 NOT_LOCAL = "not local"  # open_local_lane's answer for a daemon on another host
-
-
-def lane_enabled() -> bool:
-    """Whether clients may use the local lane (``GEAR_LOCAL_LANE=0`` keeps every call on gRPC)."""
-    return os.environ.get(LANE_ENV, "1").strip() != "0"
 
 
 def open_local_lane(stub, timeout: float = _NEGOTIATE_TIMEOUT_S, metadata: Any = None) -> LocalLane | str | None:

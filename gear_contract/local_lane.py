@@ -36,6 +36,7 @@ without gRPC's cost per call.
 
 from __future__ import annotations
 
+import os
 import struct
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,9 +48,10 @@ from gear_contract.wire import PriorityUpdates, priority_arrays
 
 __all__ = ["LANE_KEY", "VERSION", "HELLO", "MUTATE_PRIORITIES", "SELECT", "RELEASE", "METHODS", "MAX_FRAME_BYTES", "MAX_REQUEST_BYTES", "MAX_HELLO_BYTES",
            "SECRET_BYTES", "HEAD", "frame", "hello", "advertise", "parse_advertisement", "encode_priorities",
-           "decode_priorities"]
+           "decode_priorities", "LANE_ENV", "lane_enabled"]
 
 LANE_KEY = "gear-local-lane"
+LANE_ENV = "GEAR_LOCAL_LANE"  # "0" in a daemon's environment: no lane; in a client's: never use one
 VERSION = 1
 HELLO = 0
 MUTATE_PRIORITIES = 1
@@ -66,6 +68,11 @@ MAX_REQUEST_BYTES = 4 << 20
 MAX_HELLO_BYTES = 1024
 SECRET_BYTES = 32
 HEAD = struct.Struct("<IB")  # length of what follows the u32 (kind byte included), kind
+
+
+def lane_enabled() -> bool:
+    """Whether this process may serve or use the local lane (``GEAR_LOCAL_LANE=0``: every call on gRPC)."""
+    return os.environ.get(LANE_ENV, "1").strip() != "0"
 
 
 def frame(kind: int, payload: bytes | bytearray | memoryview = b"") -> bytes:

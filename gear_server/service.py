@@ -40,7 +40,15 @@ from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.channel import MAX_MESSAGE_BYTES
-from gear_contract.local_lane import LANE_KEY, MUTATE_PRIORITIES, RELEASE, SELECT, advertise, decode_priorities
+from gear_contract.local_lane import (
+    LANE_KEY,
+    MUTATE_PRIORITIES,
+    RELEASE,
+    SELECT,
+    advertise,
+    decode_priorities,
+    lane_enabled,
+)
 from gear_contract.wire import PriorityUpdates, decode_mutate_priorities, encode_sample_response
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.errors import TableNotFoundError, shorten
@@ -167,8 +175,7 @@ class ReplayService:
         # The ingest workers' ports, as ServerInfo lists them (set by the daemon once they serve).
         self.ingest_ports: Callable[[], list[int]] = list
         self.local_lane: LocalLaneServer | None = None
-        self._lane_wanted = (os.environ.get("GEAR_LOCAL_LANE", "1").strip() != "0") if local_lane is None \
-            else local_lane
+        self._lane_wanted = lane_enabled() if local_lane is None else local_lane
         self._lane_task: asyncio.Task | None = None
 
     # -------------------------------------------------------------- inserts
