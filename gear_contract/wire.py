@@ -174,7 +174,7 @@ _LOW7 = np.uint64(0x7F)
 @dataclass(frozen=True)
 class PriorityUpdates:
     """A decoded MutatePrioritiesRequest: ``keys[i]`` gets ``priorities[i]``; ``deletes`` are removed.
-    ``priorities``: a list, or a float64 array (the local lane's requests)."""
+    ``priorities``: a list, or a float64 array (requests read as arrays)."""
 
     table: str
     keys: list[int]
@@ -337,7 +337,7 @@ def decode_mutate_priorities_by_hand(data: bytes | memoryview) -> PriorityUpdate
     keys = _read_wide_varints(rows["key"])
     if keys is None:
         return None
-    return PriorityUpdates(table, keys.tolist(), rows["priority"].tolist(), deletes)
+    return PriorityUpdates(table, keys.tolist(), rows["priority"].astype(np.float64), deletes)
 
 
 # ------------------------------------------------------------ sample responses ----

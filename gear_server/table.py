@@ -46,6 +46,7 @@ import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
+from gear_kernels.twins import last_occurrences
 from gear_server import table_insert, table_reserve, table_sample
 from gear_server.item_groups import ItemGroup
 from gear_server.items import (
@@ -272,10 +273,8 @@ class Table:
                 if slots.min() < 0:
                     known = slots >= 0
                     slots, prios = slots[known], prios[known]
-                if twice and len(slots):
-                    # the last update of a key wins; keep the given order of the survivors
-                    _, last_rev = np.unique(slots[::-1], return_index=True)
-                    keep = np.sort(len(slots) - 1 - last_rev)
+                if twice and len(slots):  # the last update of a key wins, in the given order of the survivors
+                    keep = last_occurrences(slots)
                     slots, prios = slots[keep], prios[keep]
                 if len(slots):
                     seqs = np.arange(st.seq + 1, st.seq + 1 + len(slots), dtype=np.int64)
