@@ -35,7 +35,7 @@ from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.event_loop import LoopThread
 from gear_server.limits import LimitSettings
 from gear_server.operations import Operations
-from gear_server.server_ports import GRPC_OPTIONS, add_port
+from gear_server.server_ports import GRPC_OPTIONS, bind
 from gear_server.service import ReplayService
 from gear_server.storage import SegmentStore
 from gear_server.table_calls import TableCalls
@@ -150,9 +150,7 @@ class Daemon:
         """Bind the configured address; returns the port (the one picked when port is 0)."""
         host = self.config.bind_address or "[::]"
         credentials = self.ops.server_credentials()
-        port = add_port(server, f"{host}:{self.config.port}", credentials)
-        if not port and host == "[::]":  # a host without IPv6: all IPv4 interfaces
-            port = add_port(server, f"0.0.0.0:{self.config.port}", credentials)
+        port = bind(server, host, self.config.port, credentials)
         if not port:
             raise OSError(f"cannot bind {host}:{self.config.port} (in use or not an address of this host)")
         return port

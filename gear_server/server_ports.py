@@ -23,3 +23,11 @@ def add_port(server: aio.Server, address: str, credentials: grpc.ServerCredentia
         return server.add_insecure_port(address)
     except RuntimeError:
         return 0
+
+
+def bind(server: aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """``add_port`` of ``host:port``; ``[::]`` on a host without IPv6 falls back to every IPv4 interface."""
+    bound = add_port(server, f"{host}:{port}", credentials)
+    if not bound and host == "[::]":
+        bound = add_port(server, f"0.0.0.0:{port}", credentials)
+    return bound

@@ -72,7 +72,7 @@ from gear_server.event_loop import new_event_loop
 from gear_server.interceptors import CallGuard
 from gear_server.items import BadRequest, PreparedItem
 from gear_server.limits import ByteBudget, LimitSettings
-from gear_server.server_ports import GRPC_OPTIONS, add_port
+from gear_server.server_ports import GRPC_OPTIONS, bind
 from gear_server.service import SERVICE_NAME, _Chunk, _serialize, build_item, receive_chunks
 from gear_server.statuses import RefusalLog, abort_for, status_of
 
@@ -489,13 +489,9 @@ async def serve(args: argparse.Namespace, auth: AuthSettings, limits: LimitSetti
     server = aio.server(options=GRPC_OPTIONS, interceptors=[*auth.interceptors(check=check), CallGuard(limits)])
     service.add_to_server(server)
     credentials = auth.server_credentials()
-    address = f"{args.bind}:{args.port}"
-    port = add_port(server, address, credentials)
-    if not port and args.bind == "[::]":  # a host without IPv6: all IPv4 interfaces
-        address = f"0.0.0.0:{args.port}"
-        port = add_port(server, address, credentials)
+    port = bind(server, args.bind, args.port, credentials)
     if not port:
-        print(f"cannot bind {address}", file=sys.stderr, flush=True)
+        print(f"cannot bind {args.bind}:{args.port}", file=sys.stderr, flush=True)
         return 1
     await service.start()
     await server.start()
