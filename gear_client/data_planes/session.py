@@ -191,9 +191,8 @@ class PlaneSession:
     def select_and_release(self, num_samples: int, num_columns: int | None, timeout: float | None,
                            release: list[int]) -> tuple[ItemSelection, set[int]]:
         """One Select that also ends ``release`` leases; returns (selection, the stale ones of those)."""
-        request = self._select_request(num_samples, timeout, release)
-        call = self._on_lane(SELECT, request, pb.SelectResponse, self._stub.Select)
-        response = call.result() if call is not None else self._stub.Select(request, metadata=self._metadata)
+        response = self._call(SELECT, self._select_request(num_samples, timeout, release), pb.SelectResponse,
+                              self._stub.Select)
         return parse_select(response, num_columns), set(response.stale_lease_ids)
 
     def select_async(self, num_samples: int, num_columns: int | None, timeout: float | None,
@@ -211,10 +210,14 @@ class PlaneSession:
 
     def release(self, lease_ids: list[int]) -> set[int]:
         """End leases; returns the stale ones."""
-        request = pb.ReleaseRequest(session_id=self.session_id, lease_ids=lease_ids)
-        call = self._on_lane(RELEASE, request, pb.ReleaseResponse, self._stub.Release)
-        response = call.result() if call is not None else self._stub.Release(request, metadata=self._metadata)
+        response = self._call(RELEASE, pb.ReleaseRequest(session_id=self.session_id, lease_ids=lease_ids),
+                              pb.ReleaseResponse, self._stub.Release)
         return set(response.stale_lease_ids)
+
+    def _call(self, kind: int, request: Any, response_type: Any, rpc: Any) -> Any:
+        """``rpc``'s answer to ``request``: over the local lane when there is one, else over gRPC."""
+        call = self._on_lane(kind, request, response_type, rpc)
+        return call.result() if call is not None else rpc(request, metadata=self._metadata)
 
     def _on_lane(self, kind: int, request: Any, response_type: Any, rpc: Any) -> LaneCall | None:
         """``request`` sent on the daemon's local lane; None when there is none (the caller uses gRPC)."""

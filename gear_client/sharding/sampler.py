@@ -365,8 +365,7 @@ class ShardedSampler:
                     plan = self._plan(num_samples * per_group, timeout)
                     pending.append(self._fetcher.submit(self._fetch_ready, plan, window))
                 group = pending.popleft().result()
-                for k in range(0, len(group), num_samples):
-                    yield rows(group, k, min(k + num_samples, len(group)))
+                yield from _batches_of(group, num_samples)
         finally:
             for future in pending:
                 future.cancel()
@@ -409,8 +408,7 @@ class ShardedSampler:
                     continue
                 latest = {i: st.weight for i, st in streams.items() if st.weight is not None}
                 assembled = self._assemble(policy, latest, pieces, rng)
-                for start in range(0, len(assembled), num_samples):
-                    yield rows(assembled, start, min(start + num_samples, len(assembled)))
+                yield from _batches_of(assembled, num_samples)
         finally:
             for index in list(streams):
                 self._end_stream(streams, index)
@@ -508,3 +506,9 @@ class ShardedSampler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _batches_of(group: SampledBatch, num_samples: int):
+    """A group's rows cut into batches of ``num_samples`` (views; the last may be shorter)."""
+    for start in range(0, len(group), num_samples):
+        yield rows(group, start, min(start + num_samples, len(group)))
