@@ -91,6 +91,32 @@ def size(stub, table: str, metadata=None) -> int:
     return next(t.current_size for t in infos if t.name == table)
 
 
+def exhaust_chunk_budgets(stub, block: np.ndarray, first_key: int) -> None:
+    """Against a server with 64 KiB per stream and 96 KiB in all of chunk bytes (16 KiB ``block``s kept,
+    never released): the fifth chunk of one stream is refused naming ``limits.max_stream_buffer_bytes``;
+    then two streams under their own budget pass the total one together, refused naming
+    ``limits.max_buffered_bytes``. Keys from ``first_key`` (three runs of 100); 4 + 4 + 2 items acknowledged."""
+    stream = HeldStream(stub)
+    for k in range(first_key, first_key + 4):
+        stream.send(chunk_request(k, block, release=False))
+        assert list(next(stream.call).keys) == [k]
+    stream.send(chunk_request(first_key + 4, block, release=False))
+    error = stream.error()
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_stream_buffer_bytes" in error.details()
+    first, second = HeldStream(stub), HeldStream(stub)
+    for k in range(first_key + 100, first_key + 104):
+        first.send(chunk_request(k, block, release=False))
+        assert list(next(first.call).keys) == [k]
+    for k in range(first_key + 200, first_key + 202):
+        second.send(chunk_request(k, block, release=False))
+        assert list(next(second.call).keys) == [k]
+    second.send(chunk_request(first_key + 202, block, release=False))
+    error = second.error()
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_buffered_bytes" in error.details()
+    first.close()
+    list(first.call)
+
+
 class HeldStream:
     """An InsertStream whose requests come from a queue: it stays open until ``close()``."""
 
@@ -276,27 +302,8 @@ def test_chunk_bytes_past_the_stream_and_total_budgets_are_refused_naming_the_ke
     # Released chunks do not count: many go through one stream.
     assert [k for r in stub.InsertStream(iter([chunk_request(k, block) for k in range(1, 21)]), timeout=PROMPT_S)
             for k in r.keys] == list(range(1, 21))
-    # Chunks kept (never released) count: the fifth 16 KiB chunk passes 64 KiB.
-    stream = HeldStream(stub)
-    for k in range(100, 104):
-        stream.send(chunk_request(k, block, release=False))
-        assert list(next(stream.call).keys) == [k]
-    stream.send(chunk_request(104, block, release=False))
-    error = stream.error()
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_stream_buffer_bytes" in error.details()
-    # Two streams under their own budget pass the total one together.
-    first, second = HeldStream(stub), HeldStream(stub)
-    for k in range(200, 204):
-        first.send(chunk_request(k, block, release=False))
-        assert list(next(first.call).keys) == [k]
-    for k in range(300, 302):
-        second.send(chunk_request(k, block, release=False))
-        assert list(next(second.call).keys) == [k]
-    second.send(chunk_request(302, block, release=False))
-    error = second.error()
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_buffered_bytes" in error.details()
-    first.close()
-    list(first.call)
+    # Chunks kept (never released) count: one stream's, then all streams'.
+    exhaust_chunk_budgets(stub, block, 100)
     assert size(stub, "t") == 20 + 4 + 4 + 2  # what was acknowledged is in, nothing else
 
 

@@ -36,7 +36,7 @@ from gear_server.limits import LimitSettings
 from tests.data_planes._support import STRUCTURE, item_ok, make_item, table_config
 from tests.open_writers import run_open_writers
 from tests.ops._support import DaemonProcess
-from tests.test_control_plane import HeldStream, chunk_request
+from tests.test_control_plane import HeldStream, chunk_request, exhaust_chunk_budgets
 
 from .test_insert_plane import items_in_insert_order, slots_accounted
 
@@ -264,28 +264,8 @@ def test_worker_limits_refuse_new_calls_and_bytes_naming_the_key(daemons):
             stream.close()
             list(stream.call)
 
-        # Chunks kept (never released) count: the fifth 16 KiB chunk passes 64 KiB.
-        stream = HeldStream(stub)
-        for k in range(200, 204):
-            stream.send(chunk_request(k, block, release=False))
-            assert list(next(stream.call).keys) == [k]
-        stream.send(chunk_request(204, block, release=False))
-        error = stream.error()
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "limits.max_stream_buffer_bytes" in error.details()
-        # Two streams under their own budget pass the worker's total one together.
-        first, second = HeldStream(stub), HeldStream(stub)
-        for k in range(300, 304):
-            first.send(chunk_request(k, block, release=False))
-            assert list(next(first.call).keys) == [k]
-        for k in range(400, 402):
-            second.send(chunk_request(k, block, release=False))
-            assert list(next(second.call).keys) == [k]
-        second.send(chunk_request(402, block, release=False))
-        error = second.error()
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_buffered_bytes" in error.details()
-        first.close()
-        list(first.call)
+        # Chunks kept (never released) count: one stream's, then all streams' (as on the daemon).
+        exhaust_chunk_budgets(stub, block, 200)
         assert d.tables["t"].size() == 20 + 4 + 4 + 4 + 2  # what was acknowledged is in, nothing else
     finally:
         pool.stop()
