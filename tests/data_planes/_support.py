@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,29 @@ def make_item(seed: int, length: int = 64, dim: int = 1024) -> dict[str, np.ndar
     if length > 1:
         action[1] = zlib.crc32(obs.tobytes() + reward.tobytes())
     return {"action": action, "obs": obs, "reward": reward}
+
+
+def write_trajectories(address: str, first: int, count: int, length: int, dim: int, *, end_episodes: bool = True,
+                       report: Callable[[], dict] | None = None) -> dict:
+    """An actor: items of seeds [first, first + count) written step by step through an ordinary
+    TrajectoryWriter to table "t". Returns whether its items took the insert plane, and with ``report``
+    what that measures once the writer flushed (before it closes)."""
+    import gear_client as reverb
+
+    client = reverb.Client(address)
+    with client.trajectory_writer(length) as w:
+        for seed in range(first, first + count):
+            item = make_item(seed, length, dim)
+            for t in range(length):
+                w.append({k: v[t] for k, v in item.items()})
+            w.create_item("t", 1.0, {k: w.history[k][-length:] for k in ("action", "obs", "reward")})
+            if end_episodes:
+                w.end_episode()
+        out = {"insert_plane": w._same_host.writer is not None}
+        if report is not None:
+            w.flush()
+            out.update(report())
+    return out
 
 
 def item_ok(action: np.ndarray, obs: np.ndarray, reward: np.ndarray) -> bool:

@@ -39,23 +39,9 @@ _instances = iter(range(1 << 30))
 
 ACTOR = """
 import json, sys
-import numpy as np
-import gear_client as reverb
-import gear_client as reverb
-from tests.ops._support import free_port
-from tests.ops.test_metrics import parse, value
-from tests.data_planes._support import make_item
+from tests.data_planes._support import write_trajectories
 address, first, count, length, dim = sys.argv[1], *map(int, sys.argv[2:6])
-client = reverb.Client(address)
-with client.trajectory_writer(length) as w:
-    for seed in range(first, first + count):
-        item = make_item(seed, length, dim)
-        for t in range(length):
-            w.append({k: v[t] for k, v in item.items()})
-        w.create_item("t", 1.0, {k: w.history[k][-length:] for k in ("action", "obs", "reward")})
-        w.end_episode()
-    plane = w._same_host.writer is not None
-print(json.dumps({"insert_plane": plane}))
+print(json.dumps(write_trajectories(address, first, count, length, dim)))
 """
 
 # Reserves slots, half-writes garbage into them, then waits to be killed.

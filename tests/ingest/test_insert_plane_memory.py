@@ -28,8 +28,7 @@ LENGTH, DIM = 8, 1024  # 32 KiB of obs per item: a new segment starts with about
 # bytes of the table's segment files this process has mapped in (Rss over every version's mapping).
 ACTOR = """
 import json, sys
-import gear_client as reverb
-from tests.data_planes._support import make_item
+from tests.data_planes._support import write_trajectories
 address, prefix, first, count, length, dim = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 
 def segment_rss():
@@ -43,15 +42,8 @@ def segment_rss():
                 total += int(line.split()[1]) * 1024
     return total
 
-client = reverb.Client(address)
-with client.trajectory_writer(length) as w:
-    for seed in range(first, first + count):
-        item = make_item(seed, length, dim)
-        for t in range(length):
-            w.append({k: v[t] for k, v in item.items()})
-        w.create_item("t", 1.0, {k: w.history[k][-length:] for k in ("action", "obs", "reward")})
-    w.flush()
-    print(json.dumps({"insert_plane": w._same_host.writer is not None, "rss": segment_rss()}))
+print(json.dumps(write_trajectories(address, first, count, length, dim, end_episodes=False,
+                                    report=lambda: {"rss": segment_rss()})))
 """
 
 
