@@ -103,24 +103,33 @@ def gpu_available() -> bool:
         return False
 
 
-def learner(address: str, seconds: float, device: str | None, ready, go, results) -> None:
-    """Pull B=256 batches over the shm plane for ``seconds`` after ``go``; report GB/s."""
+def learner(address: str, seconds: float, device: str | None, ready, go, results, *, prefetch: int | None = None,
+            batches_per_select: int | None = None) -> None:
+    """Pull B=256 batches over the shm plane for ``seconds`` after ``go``; report GB/s and next() latencies
+    (``prefetch``, ``batches_per_select``: the pipeline's, default its own)."""
     from gear_client.data_planes import PlaneSampler
 
+    options = {"prefetch": prefetch} if prefetch is not None else {}
     with PlaneSampler(address, "t", planes=["shm"], device=device) as sampler:
-        stream = sampler.batches(BATCH)
+        stream = sampler.batches(BATCH, batches_per_select=batches_per_select, **options)
         for _ in range(3):
             next(stream)
         ready.put(os.getpid())
         go.wait()
         start = time.perf_counter()
         items = 0
+        waits = []
         while time.perf_counter() - start < seconds:
+            t = time.perf_counter()
             items += len(next(stream))
+            waits.append(time.perf_counter() - t)
         elapsed = time.perf_counter() - start
         stream.close()
+        ms = np.array(waits) * 1e3
         results.put({"learner_gbps": items * ITEM_BYTES / elapsed / 1e9, "plane": sampler.kind,
-                     "device": device or "cpu"})
+                     "device": device or "cpu", "n": len(ms), "next_ms_p50": float(np.median(ms)),
+                     "p90": float(np.percentile(ms, 90)), "max": float(ms.max()),
+                     "sum_over_5ms": float(ms[ms > 5].sum())})
 
 
 # ------------------------------------------------------------------ runs ----

@@ -26,29 +26,9 @@ OUT = os.environ.get("OUT", "/tmp/out")
 
 
 def learner(address, seconds, device, ready, go, results):
-    from gear_client.data_planes import PlaneSampler
-
-    per_select = int(os.environ["BPS"]) if os.environ.get("BPS") else None
-    with PlaneSampler(address, "t", planes=["shm"], device=device) as sampler:
-        stream = sampler.batches(bs.BATCH, prefetch=int(os.environ.get("PREFETCH", "2")),
-                                 batches_per_select=per_select)
-        for _ in range(3):
-            next(stream)
-        ready.put(os.getpid())
-        go.wait()
-        start = time.perf_counter()
-        items = 0
-        lat = []
-        while time.perf_counter() - start < seconds:
-            t = time.perf_counter()
-            items += len(next(stream))
-            lat.append(time.perf_counter() - t)
-        elapsed = time.perf_counter() - start
-        stream.close()
-        lat = np.array(lat) * 1e3
-        results.put({"learner_gbps": items * bs.ITEM_BYTES / elapsed / 1e9, "n": len(lat),
-                     "next_ms_p50": float(np.median(lat)), "p90": float(np.percentile(lat, 90)),
-                     "max": float(lat.max()), "sum_over_5ms": float(lat[lat > 5].sum())})
+    """bench_scale's learner with the pipeline's ``PREFETCH`` and ``BPS`` (batches per Select) from the environment."""
+    bs.learner(address, seconds, device, ready, go, results, prefetch=int(os.environ.get("PREFETCH", "2")),
+               batches_per_select=int(os.environ["BPS"]) if os.environ.get("BPS") else None)
 
 
 def probe(address, seconds, go, results):
