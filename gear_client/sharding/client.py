@@ -42,6 +42,7 @@ from gear_client.sharding.membership import (
     is_unreachable,
     shard_addresses,
 )
+from gear_client.sharding.owners import UNKNOWN
 from gear_client.sharding.sampler import ShardedSampler
 from gear_client.sharding.selection import sum_table_infos
 from gear_client.table_info import TableInfo
@@ -206,21 +207,28 @@ class ShardedClient:
         routed: dict[int, tuple[dict[int, float], list[int]]] = {s.index: ({}, []) for s in live}
         lost = []
 
-        def route(key: int) -> list[int]:
-            owner = self.shard_set.owner(key)
-            if owner is None:
-                return list(routed)
-            if owner.index not in routed:
-                lost.append(key)
-                return []
-            return [owner.index]
+        def owners(keys: list[int]) -> list[int]:
+            try:
+                return self.shard_set.key_owners.owners(np.array(keys, np.uint64)).tolist()
+            except OverflowError:  # not a key: every shard is asked, and refuses it by name
+                return [UNKNOWN] * len(keys)
 
-        for key, priority in updates.items():
-            for s in route(key):
-                routed[s][0][key] = priority
-        for key in deletes:
-            for s in route(key):
-                routed[s][1].append(key)
+        for key, owner in zip(updates, owners(list(updates)), strict=True):
+            if owner == UNKNOWN:
+                for u, _ in routed.values():
+                    u[key] = updates[key]
+            elif owner in routed:
+                routed[owner][0][key] = updates[key]
+            else:
+                lost.append(key)
+        for key, owner in zip(deletes, owners(deletes), strict=True):
+            if owner == UNKNOWN:
+                for _, d in routed.values():
+                    d.append(key)
+            elif owner in routed:
+                routed[owner][1].append(key)
+            else:
+                lost.append(key)
         if lost:
             log.warning("mutate_priorities: %d key(s) live on shards that are down; not changed", len(lost))
         targets = [self.shard_set.shards[s] for s, (u, d) in routed.items() if u or d]

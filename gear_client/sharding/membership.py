@@ -18,12 +18,10 @@ it answers (a restarted daemon restores its own checkpoint).
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import logging
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from gear_client.sharding.owners import UNKNOWN, KeyOwners
 from gear_contract._proto import replay_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,6 @@ log = logging.getLogger(__name__)
 SHARDS_PREFIX = "shards:"
 DEFAULT_TIMEOUT_S = 5.0  # a shard that does not answer a control call within this is down
 DEFAULT_RETRY_S = 2.0  # how often a down shard is probed
-MAX_CACHED_KEYS = 1 << 20  # key -> shard entries kept for routing mutations
 
 
 def shard_addresses(spec: Any) -> list[str] | None:
@@ -149,9 +147,7 @@ class ShardSet:
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses) + 2),
                                                 thread_name_prefix="gear-shards")
-        self._owners: dict[int, int] = {}  # key -> shard index, in the order learnt
-        self._learnt: deque[tuple[np.ndarray, int]] = deque()  # (keys, shard index) not yet in _owners
-        self._learnt_keys = 0
+        self.key_owners = KeyOwners()  # key -> shard, learnt from sampled batches (routes mutations)
         self._rejoin_listeners: list[Callable[[Shard], None]] = []
         self.shards: list[Shard] = self._connect(addresses, make_client)
 
@@ -269,41 +265,16 @@ class ShardSet:
 
     # ------------------------------------------------------------------ key ownership
     def learn_owners(self, keys: np.ndarray, shard: Shard) -> None:
-        """Remember that ``keys`` live on ``shard`` (bounded: past MAX_CACHED_KEYS the oldest half goes).
-
-        Kept as an array until an owner is asked: a learner that never mutates pays nothing per batch.
-        """
-        keys = np.array(keys, dtype=np.uint64)
-        with self._lock:
-            self._learnt.append((keys, shard.index))
-            self._learnt_keys += len(keys)
-            if self._learnt_keys > MAX_CACHED_KEYS:
-                self._fold_locked()
-
-    def _fold_locked(self) -> None:
-        """The keys learnt since into ``_owners``, in the order learnt, then trimmed (lock held)."""
-        owners = self._owners
-        while self._learnt:
-            keys, index = self._learnt.popleft()
-            owners.update(zip(keys.tolist(), itertools.repeat(index)))
-        self._learnt_keys = 0
-        if len(owners) > MAX_CACHED_KEYS:
-            for key in list(itertools.islice(owners, len(owners) - MAX_CACHED_KEYS // 2)):
-                del owners[key]
+        """Remember that ``keys`` live on ``shard`` (``owners.KeyOwners``: no per-key work)."""
+        self.key_owners.learn(keys, shard.index)
 
     def owner(self, key: int) -> Shard | None:
-        with self._lock:
-            if self._learnt:
-                self._fold_locked()
-            index = self._owners.get(int(key))
-        return None if index is None else self.shards[index]
+        """The shard that holds ``key`` as last learnt, or None."""
+        index = int(self.key_owners.owners(np.array([int(key)], np.uint64))[0])
+        return None if index == UNKNOWN else self.shards[index]
 
     def forget_owners(self, keys: Iterable[int]) -> None:
-        with self._lock:
-            if self._learnt:
-                self._fold_locked()
-            for key in keys:
-                self._owners.pop(int(key), None)
+        self.key_owners.forget(keys)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
