@@ -55,8 +55,9 @@ EMPTY_POLL_S = (0.005, 0.2)  # first and longest wait between looks at a table w
 READ_AHEAD_ITEMS = 128  # batches(): items selected together (one split, one part per shard)
 READ_AHEAD_GROUPS = 2  # batches(): groups fetched at once
 STREAM_WEIGHTS_REFRESH_S = 1.0  # batches() over streams: how often every shard's size and mass are asked
-STREAM_GROUP_BATCHES = 4  # batches() over streams: batches assembled together (at most STREAM_GROUP_ITEMS items)
-STREAM_GROUP_ITEMS = 1024
+STREAM_GROUP_BATCHES = 4  # batches() over streams: batches assembled together, at most (``group_batches``)
+STREAM_GROUP_BYTES = 256 << 20  # ... and at most these bytes (B=256 of 256 KiB items: 4 batches)
+STREAM_GROUP_ITEMS = 1024  # ... and, before the items' size is known (the first group), at most these items
 # batches() over streams: items a shard's chunk holds at least. A chunk is a whole batch (not the shard's
 # share): a batch then takes about one piece per shard (fewer pieces to assemble, fewer queue hand-offs).
 STREAM_MIN_CHUNK = 8
@@ -377,7 +378,7 @@ class ShardedSampler:
         the learner's thread pays its per-assembly Python once per group, not once per batch."""
         streams: dict[int, ShardStream] = {}
         chunk = max(STREAM_MIN_CHUNK, num_samples)  # a batch a chunk: each takes ~its share of one, in ~1 piece
-        group = num_samples * max(1, min(STREAM_GROUP_BATCHES, STREAM_GROUP_ITEMS // num_samples))
+        group = num_samples * group_batches(num_samples)
         asked = -math.inf
         with self._lock:  # this generator's own (seeded from the sampler's: seeded runs reproduce)
             rng = np.random.default_rng(int(self._rng.integers(1 << 63)))
@@ -408,6 +409,8 @@ class ShardedSampler:
                     continue
                 latest = {i: st.weight for i, st in streams.items() if st.weight is not None}
                 assembled = self._assemble(policy, latest, pieces, rng)
+                item_bytes = sum(int(c.nbytes) for c in assembled.columns) // max(1, len(assembled))
+                group = num_samples * group_batches(num_samples, item_bytes)
                 yield from _batches_of(assembled, num_samples)
         finally:
             for index in list(streams):
@@ -506,6 +509,17 @@ class ShardedSampler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def group_batches(num_samples: int, item_bytes: int | None = None) -> int:
+    """Batches of ``num_samples`` items a streamed group assembles together: up to STREAM_GROUP_BATCHES and
+    STREAM_GROUP_BYTES (``item_bytes``: one item's bytes, None before any came: then STREAM_GROUP_ITEMS items).
+    Small items make the most of it: a batch of 4096 keys pays a quarter of a group's Python."""
+    if item_bytes is None:
+        fit = STREAM_GROUP_ITEMS // num_samples
+    else:
+        fit = STREAM_GROUP_BYTES // max(1, int(item_bytes) * num_samples)
+    return max(1, min(STREAM_GROUP_BATCHES, fit))
 
 
 def _batches_of(group: SampledBatch, num_samples: int):
