@@ -132,7 +132,7 @@ class LocalLane:
         """Open one connection now (LaneBroken / LaneStatusError when the daemon refuses it)."""
         self._release(self._connect())
 
-    def call(self, kind: int, payload: bytes) -> bytes:
+    def call(self, kind: int, payload: bytes) -> bytes | memoryview:
         """One call's answer; LaneStatusError for an error status, LaneBroken when it must go over gRPC."""
         return self.submit(kind, payload).result()
 
@@ -205,7 +205,7 @@ class LanePending:
         self._failure: LaneStatusError | None = None
         self.cancelled = False
 
-    def result(self, timeout: float | None = None) -> bytes:
+    def result(self, timeout: float | None = None) -> bytes | memoryview:
         """The answer's bytes; LaneStatusError / LaneBroken as ``LocalLane.call``; grpc.FutureTimeoutError
         when ``timeout`` seconds pass first (the answer may still be read later)."""
         self._wait(timeout)
@@ -280,45 +280,67 @@ class LaneFuture:
 
 
 class _Answer:
-    """One answer frame read from a connection, in as many pieces (and waits) as it takes."""
+    """One answer frame read from a connection, in as many pieces (and waits) as it takes.
 
-    __slots__ = ("_data",)
+    Once the head has come, the rest is received straight into one buffer of the
+    frame's size (a Select of thousands of items is hundreds of KiB: no copy per
+    piece); the payload is handed out as a view of it.
+    """
+
+    __slots__ = ("_data", "_frame", "_got", "_code")
 
     def __init__(self) -> None:
-        self._data = b""
+        self._data = b""  # what came before the head was complete
+        self._frame: bytearray | None = None  # the whole frame, once its length is known
+        self._got = 0
+        self._code = 0
 
-    def read(self, conn: socket.socket, timeout: float | None) -> tuple[int, bytes]:
+    def read(self, conn: socket.socket, timeout: float | None) -> tuple[int, bytes | memoryview]:
         """(status code, payload); TimeoutError after ``timeout`` seconds (what came is kept); OSError
         (ConnectionResetError) when the connection ends first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        data = self._data
         while True:
-            if len(data) >= HEAD.size:
+            frame = self._frame
+            if frame is None and len(self._data) >= HEAD.size:
+                data = self._data
                 length, code = HEAD.unpack_from(data)
                 if length < 1 or 4 + length > MAX_FRAME_BYTES:
                     raise ConnectionResetError(f"a local lane answer of {length} bytes")
+                self._data = b""
                 if len(data) >= 4 + length:
-                    self._data = b""
                     return code, data[HEAD.size:4 + length]
+                frame = self._frame = bytearray(4 + length)
+                frame[:len(data)] = data
+                self._got, self._code = len(data), code
+            if frame is not None and self._got == len(frame):
+                self._frame = None
+                return self._code, memoryview(frame)[HEAD.size:]
             if deadline is not None:
                 conn.settimeout(max(0.0, deadline - time.monotonic()))
             try:
-                more = conn.recv(_READ_BYTES)
+                if frame is None:
+                    more = conn.recv(_READ_BYTES)
+                    got = len(more)
+                else:
+                    got = conn.recv_into(memoryview(frame)[self._got:])
             except BlockingIOError:  # timeout 0: nothing yet
                 raise TimeoutError from None
             finally:
                 if deadline is not None:
                     conn.settimeout(None)
-            if not more:
+            if not got:
                 raise ConnectionResetError("the daemon closed the local lane connection")
-            data = self._data = data + more
+            if frame is None:
+                self._data += more
+            else:
+                self._got += got
 
 
-def _error(code: int, answer: bytes) -> LaneStatusError:
+def _error(code: int, answer: bytes | memoryview) -> LaneStatusError:
     """A call's error status: UNAVAILABLE (the daemon is stopping) sends the call over gRPC; any other is
     the call's own answer, as the RPC would give it."""
     status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-    details = answer.decode(errors="replace")
+    details = bytes(answer).decode(errors="replace")
     if status is grpc.StatusCode.UNAVAILABLE:
         return LaneBroken(f"the daemon answered {status.name}: {details}", status)
     return LaneStatusError(status, details)

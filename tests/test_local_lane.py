@@ -534,3 +534,38 @@ def test_lane_select_and_release_run_on_the_connection_thread(daemon, monkeypatc
     assert "sample_batches" in pool_calls
     lane.close()
     client.close()
+
+
+def test_answer_frames_in_pieces_with_waits_between_them():
+    """A large answer (a Select of many items) arrives in many pieces, with the caller's waits timing out in
+    between: what came is kept, and the payload comes out whole and exact."""
+    from gear_client.local_lane import _Answer
+    from gear_contract.local_lane import HEAD
+
+    payload = np.random.default_rng(3).integers(0, 256, 700_000, dtype=np.uint8).tobytes()
+    frame = HEAD.pack(len(payload) + 1, 0) + payload
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(True)
+        answer = _Answer()
+        with pytest.raises(TimeoutError):
+            answer.read(ours, 0.01)  # nothing sent yet
+        # the head split, then uneven pieces (each under the socket's buffer: they are read in between)
+        cuts = [0, 3, 5, 4096, 100_000, 100_001, *range(180_000, len(frame), 80_000), len(frame)]
+        got = None
+        for a, b in zip(cuts, cuts[1:]):
+            theirs.sendall(frame[a:b])
+            try:
+                got = answer.read(ours, 0.2 if b == len(frame) else 0.01)
+            except TimeoutError:
+                continue
+        assert got is not None and got[0] == 0 and bytes(got[1]) == payload
+        small = b"xyz"  # a frame that comes in one piece
+        theirs.sendall(HEAD.pack(len(small) + 1, 5) + small)
+        assert answer.read(ours, 1.0) == (5, small)
+        theirs.close()
+        with pytest.raises(ConnectionResetError):
+            answer.read(ours, 1.0)
+    finally:
+        ours.close()
+        theirs.close()
