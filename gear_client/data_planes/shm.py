@@ -41,6 +41,9 @@ MEMCPY_ITEM_BYTES = 16 << 10
 # wait) for the work already queued on the launching thread's current stream: a batch's memory the
 # learner dropped is never rewritten while work it queued before still reads it.
 GPU_STREAMS = 4
+# A host gather under these bytes runs in the caller's thread even when pipelined: handing it to the worker
+# costs more (a thread wake-up, and the GIL handed back and forth) than copying it (a batch of 4096 keys).
+WORKER_MIN_BYTES = 1 << 20
 # Segments up to this size are mapped with MAP_POPULATE (page-table entries made at open, about
 # 0.1 s per GiB, instead of minor faults during the first batches).
 POPULATE_MAX_BYTES = 8 << 30
@@ -234,7 +237,7 @@ class ShmPlane:
             gather_numpy(self.mapping, selection.slots, bounds, None, batch, out)  # plans what it copies by range
             return done(column_arrays(out, layout, batch, n))
 
-        if self._worker is None:
+        if self._worker is None or batch.nbytes < WORKER_MIN_BYTES:
             return Pending(None, copy())
         future = self._worker.submit(copy)  # NumPy copies release the GIL: the next Select overlaps
         return Pending(future.result)
