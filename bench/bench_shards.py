@@ -383,7 +383,11 @@ def bench_select(addresses: list[str], items: int, reps: int) -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")
     fill_start = time.perf_counter()
-    procs = [ctx.Process(target=_fill_prio, args=(a, items, i)) for i, a in enumerate(addresses)]
+    # each shard filled by several writers at once where there are cores for them (1M items a shard)
+    writers = max(1, min(4, (os.cpu_count() or 1) // (2 * len(addresses))))
+    share = [items // writers + (w < items % writers) for w in range(writers)]
+    procs = [ctx.Process(target=_fill_prio, args=(a, share[w], i * writers + w))
+             for i, a in enumerate(addresses) for w in range(writers)]
     for p in procs:
         p.start()
     for p in procs:
