@@ -8,6 +8,7 @@ frames, too many connections) and gives way to gRPC when the daemon goes.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
@@ -553,7 +554,7 @@ def test_answer_frames_in_pieces_with_waits_between_them():
         # the head split, then uneven pieces (each under the socket's buffer: they are read in between)
         cuts = [0, 3, 5, 4096, 100_000, 100_001, *range(180_000, len(frame), 80_000), len(frame)]
         got = None
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             theirs.sendall(frame[a:b])
             try:
                 got = answer.read(ours, 0.2 if b == len(frame) else 0.01)
