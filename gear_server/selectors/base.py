@@ -53,6 +53,14 @@ class Selector:
         """``n`` independent picks from the current items: (slots int64[n], probabilities float64[n])."""
         raise NotImplementedError
 
+    def sample_with_repeats(self, n: int, rng: np.random.Generator
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``sample``'s picks and, when the selector knows them for free, the positions of the picks
+        whose slot is picked more than once, grouped by slot and ascending in a group (empty: all
+        distinct; None: not known, the caller finds them). The table counts repeats with them."""
+        slots, probs = self.sample(n, rng)
+        return slots, probs, None
+
     def selection_state(self) -> pb.ShardSelectionState:
         """How the next picks would go, for a client splitting a batch over shards (docs/SHARDING.md)."""
         return pb.ShardSelectionState()
