@@ -6,6 +6,11 @@ counts towards ``times_sampled`` (reported including itself, repeats of a slot
 in one batch counted in order), takes a lease on its slot, and the batch stops
 after the first pick that reaches ``max_times_sampled`` (that item is deleted by
 the caller, so later picks would not have seen it).
+
+Every pick is counted as if its slot were picked once (a few numpy calls over
+the batch); the repeats, a small part of a batch, are then corrected on their
+own. Which picks repeat a slot comes from the sampler when it knows (the
+prioritized one finds them without a sort), else from one stable sort here.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gear_server.slots import ItemMetadata
+from gear_server.slots import Held, ItemMetadata
+
+NO_REPEATS = np.empty(0, np.int64)
 
 
 @dataclass
@@ -22,45 +29,80 @@ class Picks:
     """The counted picks of one batch."""
 
     slots: np.ndarray
-    chunk: tuple  # (slots, keys, probabilities, table_sizes, priorities, times_sampled)
+    chunk: tuple  # (slots, keys, probabilities, table_sizes, priorities, times_sampled, generations)
     first_samples: int  # picks of items never sampled before
     deletes_last: bool  # the last pick reached max_times_sampled: its item goes
+    held: Held  # what the lease on these picks holds
+
+
+def find_repeats(slots: np.ndarray) -> np.ndarray:
+    """The positions of the picks whose slot is picked more than once, grouped by slot, ascending in a group."""
+    if len(slots) < 2:
+        return NO_REPEATS
+    order = np.argsort(slots, kind="stable")
+    s = slots[order]
+    same = s[1:] == s[:-1]
+    if not same.any():
+        return NO_REPEATS
+    member = np.zeros(len(s), np.bool_)
+    member[1:] = same
+    member[:-1] |= same
+    return order[member]
+
+
+def held_of(slots: np.ndarray, repeats: np.ndarray | None = None) -> Held:
+    """What a lease on ``slots`` holds (``repeats``: as ``find_repeats`` gives them, found when None)."""
+    repeats = find_repeats(slots) if repeats is None else repeats
+    if not len(repeats):
+        return Held(slots, NO_REPEATS, NO_REPEATS)
+    group_slots, _, counts = _groups(slots.take(repeats))
+    return Held(slots, group_slots, counts - 1)
+
+
+def _groups(repeated: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot, start, length) of each run of equal values in ``repeated`` (repeats' slots, grouped)."""
+    firsts = np.flatnonzero(np.concatenate(([True], repeated[1:] != repeated[:-1])))
+    return repeated[firsts], firsts, np.diff(firsts, append=len(repeated))
 
 
 def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_times_sampled: int,
-                table_size: int) -> Picks:
-    """Count ``slots`` (picked in this order) as samples and leases in ``meta`` (table lock held)."""
-    k = len(slots)
+                table_size: int, repeats: np.ndarray | None = None) -> Picks:
+    """Count ``slots`` (picked in this order) as samples and leases in ``meta`` (table lock held).
+
+    ``repeats``: the positions of picks of a slot picked more than once, as ``find_repeats`` gives
+    them, when the sampler knows them (found here when None).
+    """
     m = meta
-    # occurrence index of each pick among earlier picks of the same slot (None: all distinct)
-    occ = None
-    if k > 1:
-        order = np.argsort(slots, kind="stable")
-        s = slots[order]
-        same = s[1:] == s[:-1]
-        if same.any():
-            starts = np.ones(k, np.bool_)
-            starts[1:] = ~same
-            group_start = np.maximum.accumulate(np.where(starts, np.arange(k), 0))
-            occ = np.empty(k, np.int64)
-            occ[order] = np.arange(k) - group_start
-    before = m.times_sampled[slots]
-    times = before + 1 if occ is None else (before + occ + 1).astype(np.int32)
+    if repeats is None:
+        repeats = find_repeats(slots)
+    records = m.hot.take(slots)  # one cache line per pick for every field read here
+    before = records["times_sampled"]
+    times = before + np.int32(1)
+    if len(repeats):  # a repeat counts the earlier picks of its slot in this batch
+        group_slots, firsts, counts = _groups(slots.take(repeats))
+        occ = np.arange(len(repeats)) - np.repeat(firsts, counts)
+        times[repeats] += occ.astype(np.int32)
     mts = max_times_sampled
     if mts:
         hits = np.flatnonzero(times >= mts)
-        if hits.size:
+        if hits.size and hits[0] + 1 < len(slots):  # later picks would not have seen the deleted item
             cut = int(hits[0]) + 1
-            slots, probs, times, before = slots[:cut], probs[:cut], times[:cut], before[:cut]
-            occ = None if occ is None else occ[:cut]
-    first = before == 0 if occ is None else (before == 0) & (occ == 0)
-    if occ is None:
-        m.times_sampled[slots] += 1
-        m.leases[slots] += 1
+            slots, probs, times, before, records = slots[:cut], probs[:cut], times[:cut], before[:cut], records[:cut]
+            repeats = find_repeats(slots) if len(repeats) else NO_REPEATS
+            if len(repeats):
+                group_slots, firsts, counts = _groups(slots.take(repeats))
+                occ = np.arange(len(repeats)) - np.repeat(firsts, counts)
+    first = len(slots) - int(np.count_nonzero(before))
+    m.times_sampled[slots] = times  # right for slots picked once
+    m.leases[slots] += 1  # once per distinct slot
+    if len(repeats):
+        before_repeats = before.take(repeats)
+        first -= int(np.count_nonzero((before_repeats == 0) & (occ > 0)))  # only a slot's first pick is
+        m.times_sampled[group_slots] = before_repeats.take(firsts) + counts.astype(np.int32)
+        held = Held(slots, group_slots, counts - 1)
+        m.leases[group_slots] += held.extra.astype(np.int32)
     else:
-        distinct, counts = np.unique(slots, return_counts=True)  # faster than np.add.at
-        counts = counts.astype(np.int32)
-        m.times_sampled[distinct] += counts
-        m.leases[distinct] += counts
-    chunk = (slots, m.key[slots], probs, np.full(len(slots), table_size, np.int64), m.priority[slots], times)
-    return Picks(slots, chunk, int(np.count_nonzero(first)), bool(mts and times[-1] >= mts))
+        held = Held(slots, NO_REPEATS, NO_REPEATS)
+    chunk = (slots, records["key"], probs, np.full(len(slots), table_size, np.int64), records["priority"], times,
+             records["generation"])
+    return Picks(slots, chunk, first, bool(mts and times[-1] >= mts), held)

@@ -13,28 +13,50 @@ their commit. The caller (the table) holds its lock.
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
 from gear_server.items import PreparedItem
 
 
-class ItemMetadata:
-    """Per-slot arrays (read directly by the GPU selection kernels)."""
+class Held(NamedTuple):
+    """The slots a lease holds: one count of each slot in ``slots`` (a slot there twice counts once),
+    plus ``extra[i]`` counts of ``extra_slots[i]`` (the repeats of a slot picked more than once)."""
 
-    FIELDS = ("key", "priority", "insert_seq", "update_seq", "times_sampled", "generation", "length", "valid",
-              "leases")
+    slots: np.ndarray
+    extra_slots: np.ndarray
+    extra: np.ndarray
+
+
+# What a sample reads and writes of each picked slot, side by side in one 32-byte record: a batch of
+# picks then fetches one cache line per pick instead of one per field (5x fewer lines from memory).
+HOT = np.dtype([("key", "<u8"), ("priority", "<f8"), ("generation", "<u8"), ("times_sampled", "<i4"),
+                ("leases", "<i4")])
+
+
+class ItemMetadata:
+    """Per-slot metadata arrays, indexed by slot.
+
+    ``key``, ``priority``, ``generation``, ``times_sampled`` and ``leases`` are views of the fields
+    of ``hot`` (one record per slot), so they are strided: index them (``a[slots]``), and gather a
+    batch of slots' records with ``hot.take(slots)``, not ``a.take`` (which would copy the field
+    whole first).
+    """
+
+    FIELDS = ("insert_seq", "update_seq", "length", "valid")  # besides the records of ``hot``
 
     def __init__(self, capacity: int, num_columns: int):
-        self.key = np.zeros(capacity, np.uint64)
-        self.priority = np.zeros(capacity, np.float64)
+        self.hot = np.zeros(capacity, HOT)
+        self.key = self.hot["key"]
+        self.priority = self.hot["priority"]
+        self.generation = self.hot["generation"]
+        self.times_sampled = self.hot["times_sampled"]
+        self.leases = self.hot["leases"]
         self.insert_seq = np.zeros(capacity, np.int64)
         self.update_seq = np.zeros(capacity, np.int64)
-        self.times_sampled = np.zeros(capacity, np.int32)
-        self.generation = np.zeros(capacity, np.uint64)
         self.length = np.zeros((capacity, num_columns), np.int32)
         self.valid = np.zeros(capacity, np.bool_)
-        self.leases = np.zeros(capacity, np.int32)
 
     @property
     def capacity(self) -> int:
@@ -44,6 +66,7 @@ class ItemMetadata:
         """A copy with room for ``capacity`` slots (new slots zeroed)."""
         out = ItemMetadata(capacity, self.length.shape[1])
         n = min(capacity, self.capacity)
+        out.hot[:n] = self.hot[:n]
         for name in self.FIELDS:
             getattr(out, name)[:n] = getattr(self, name)[:n]
         return out
@@ -66,7 +89,7 @@ class SlotBook:
         self.key_to_slot: dict[int, int] = {}
         self.episode_refs: dict[int, int] = {}
         self.num_deleted_episodes = 0
-        self.leases: dict[int, np.ndarray] = {}
+        self.leases: dict[int, Held] = {}
         self.reserved: set[int] = set()  # taken by insert-plane writers, not committed yet
         self._lease_ids = itertools.count(1)
 
@@ -183,20 +206,21 @@ class SlotBook:
         return sorted(self.zombies) + self.free
 
     # ------------------------------------------------------------------ leases
-    def lease(self, slots: np.ndarray) -> int:
-        """Record a lease on ``slots`` (their ``meta.leases`` already counted by the caller); its id."""
+    def lease(self, held: Held) -> int:
+        """Record a lease on ``held`` slots (their ``meta.leases`` already counted by the caller); its id."""
         lease_id = next(self._lease_ids)
-        self.leases[lease_id] = slots
+        self.leases[lease_id] = held
         return lease_id
 
-    def unlease(self, slots: np.ndarray) -> list[int]:
-        """Drop one lease count per occurrence of each slot; returns the deleted slots this made free."""
+    def unlease(self, held: Held) -> list[int]:
+        """Drop a lease's counts of its slots; returns the deleted slots this made free."""
         m = self.meta
-        distinct, counts = np.unique(slots, return_counts=True)
-        m.leases[distinct] -= counts.astype(np.int32)
+        m.leases[held.slots] -= 1  # once per distinct slot
+        if len(held.extra_slots):
+            m.leases[held.extra_slots] -= held.extra.astype(np.int32)
         freed = []
         if self.zombies:
-            for s in distinct[m.leases[distinct] == 0].tolist():
+            for s in held.slots[m.leases[held.slots] == 0].tolist():
                 if s in self.zombies:
                     self.zombies.remove(s)
                     self.free.append(s)

@@ -21,7 +21,7 @@ from gear_server.items import PreparedItem, Signature
 from gear_server.rate_limiter import RateLimiter
 from gear_server.selectors import make_selector
 from gear_server.side_items import SideStore
-from gear_server.slots import ItemMetadata, SlotBook
+from gear_server.slots import Held, ItemMetadata, SlotBook
 from gear_server.storage import SegmentStore
 
 Abandoned = Callable[[], bool] | None
@@ -106,9 +106,9 @@ class TableCore:
         self.remover.delete(slot)
         self.rate_limiter.deleted()
 
-    def unlease(self, slots: np.ndarray) -> None:
+    def unlease(self, held: Held) -> None:
         had_zombies = bool(self.slots.zombies)
-        for slot in self.slots.unlease(slots):
+        for slot in self.slots.unlease(held):
             self.side.drop(slot)
         if had_zombies and (self.exclusive or self.copies_in_flight):
             self.cond.notify_all()

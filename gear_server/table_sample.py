@@ -18,7 +18,7 @@ from gear_server.errors import CallCancelled, NeedsInlinePlane, RateLimiterTimeo
 from gear_server.item_groups import ItemGroup, group_items
 from gear_server.items import ColumnSpec
 from gear_server.rate_limiter import deadline_after
-from gear_server.sampling import count_picks
+from gear_server.sampling import Picks, count_picks, held_of
 from gear_server.side_items import SideItem
 from gear_server.table_core import Abandoned, TableCore
 
@@ -49,7 +49,7 @@ def sample(st: TableCore, num_samples: int, timeout: float | None = None, abando
     if n < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     deadline = deadline_after(timeout)
-    chunks: list[tuple] = []
+    batches: list[Picks] = []
     taken = 0
     rl = st.rate_limiter
 
@@ -68,8 +68,8 @@ def sample(st: TableCore, num_samples: int, timeout: float | None = None, abando
                         break
                     raise
                 except (TableClosedError, CallCancelled):
-                    for chunk in chunks:
-                        st.unlease(chunk[0])
+                    for picks in batches:
+                        st.unlease(picks.held)
                     raise
                 k = 1
             if by_reference and st.side:
@@ -78,21 +78,22 @@ def sample(st: TableCore, num_samples: int, timeout: float | None = None, abando
                 raise NeedsInlinePlane(f"table '{st.name}' holds items of {_layouts_held(st)} layouts "
                                        "(structures, dtypes or step shapes); they are read inline")
             t0 = time.perf_counter()
-            chunk = _pick(st, k)
-            chunks.append(chunk)
-            got = len(chunk[0])
+            picks = _pick(st, k)
+            batches.append(picks)
+            got = len(picks.slots)
             taken += got
             rl.sampled(got)
             st.worker_time_s += time.perf_counter() - t0
-        if len(chunks) == 1:
-            slots, keys, probs, sizes, priorities, times = chunks[0]
+        if len(batches) == 1:
+            slots, keys, probs, sizes, priorities, times, generations = batches[0].chunk
+            held = batches[0].held
         else:
-            slots, keys, probs, sizes, priorities, times = (np.concatenate(parts)
-                                                            for parts in zip(*chunks, strict=True))
-        lease_id = st.slots.lease(slots)
-        m = st.meta
+            slots, keys, probs, sizes, priorities, times, generations = (
+                np.concatenate(parts) for parts in zip(*(p.chunk for p in batches), strict=True))
+            held = held_of(slots)
+        lease_id = st.slots.lease(held)
         return Selection(
-            slots=slots, generations=m.generation[slots], lengths=m.length[slots], keys=keys,
+            slots=slots, generations=generations, lengths=st.meta.length.take(slots, axis=0), keys=keys,
             probabilities=probs, table_sizes=sizes, priorities=priorities, times_sampled=times,
             lease_id=lease_id, layout_version=st.columns.version,
         )
@@ -102,14 +103,14 @@ def _layouts_held(st: TableCore) -> int:
     return len({item.layout_key for item in st.side.items.values()}) + (len(st.side) < len(st.slots))
 
 
-def _pick(st: TableCore, k: int) -> tuple:
+def _pick(st: TableCore, k: int) -> Picks:
     """Up to k picks that see the same table (lock held); stops after a pick that deletes its item."""
-    slots, probs = st.sampler.sample(k, st.rng)
-    picks = count_picks(st.meta, slots, probs, st.max_times_sampled, len(st.slots))
+    slots, probs, repeats = st.sampler.sample_with_repeats(k, st.rng)
+    picks = count_picks(st.meta, slots, probs, st.max_times_sampled, len(st.slots), repeats)
     st.num_unique_samples += picks.first_samples
     if picks.deletes_last:
         st.delete_slot(int(picks.slots[-1]))
-    return picks.chunk
+    return picks
 
 
 # ---------------------------------------------------------------------- reading leased items
@@ -159,6 +160,6 @@ def _leased_views(st: TableCore, selection: Selection
 def release(st: TableCore, lease_id: int) -> None:
     """End a lease (unknown or already released ids are ignored)."""
     with st.lock:
-        slots = st.slots.leases.pop(int(lease_id), None)
-        if slots is not None:
-            st.unlease(slots)
+        held = st.slots.leases.pop(int(lease_id), None)
+        if held is not None:
+            st.unlease(held)
