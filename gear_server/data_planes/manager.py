@@ -285,20 +285,26 @@ class DataPlaneManager:
         return pb.CloseDataPlaneResponse()
 
 
-def _tensor(array: np.ndarray, dtype: str) -> pb.Tensor:
-    a = np.ascontiguousarray(array, dtype=np.dtype(dtype))
-    return pb.Tensor(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
+def _fill_tensor(tensor: pb.Tensor, array: np.ndarray, dtype: str) -> None:
+    """Write ``array`` as ``dtype`` into the response's own ``tensor`` (set in place: a Tensor built apart
+    and then assigned is copied once more; ``tobytes`` packs a strided array in the same one copy)."""
+    wanted = np.dtype(dtype)
+    a = array if array.dtype == wanted else array.astype(wanted)
+    tensor.dtype = wanted.str
+    tensor.shape.extend(a.shape)
+    tensor.data = a.tobytes()
 
 
 def build_packed_select_response(selection: JoinedSelection, lease_id: int) -> pb.SelectResponse:
     """Every per-item field of the selection as one raw little-endian array (item i at index i)."""
     n = len(selection.slots)
-    return pb.SelectResponse(
-        layout_version=int(selection.layout_version), lease_id=int(lease_id),
-        slots=_tensor(selection.slots, "<i8"), generations=_tensor(selection.generations, "<u8"),
-        lengths=_tensor(np.asarray(selection.lengths).reshape(n, -1), "<i4"),
-        keys=_tensor(selection.keys, "<u8"), probabilities=_tensor(selection.probabilities, "<f8"),
-        table_sizes=_tensor(selection.table_sizes, "<i8"), priorities=_tensor(selection.priorities, "<f8"),
-        times_sampled=_tensor(selection.times_sampled, "<i4"),
-    )
-
+    response = pb.SelectResponse(layout_version=int(selection.layout_version), lease_id=int(lease_id))
+    _fill_tensor(response.slots, selection.slots, "<i8")
+    _fill_tensor(response.generations, selection.generations, "<u8")
+    _fill_tensor(response.lengths, np.asarray(selection.lengths).reshape(n, -1), "<i4")
+    _fill_tensor(response.keys, selection.keys, "<u8")
+    _fill_tensor(response.probabilities, selection.probabilities, "<f8")
+    _fill_tensor(response.table_sizes, selection.table_sizes, "<i8")
+    _fill_tensor(response.priorities, selection.priorities, "<f8")
+    _fill_tensor(response.times_sampled, selection.times_sampled, "<i4")
+    return response

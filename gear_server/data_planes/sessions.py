@@ -272,7 +272,7 @@ def generations_unchanged(table: Any, slots: np.ndarray, generations: np.ndarray
     slots = np.asarray(slots, dtype=np.int64)
     if slots.size and int(slots.max()) >= len(current):
         return False
-    return bool(np.array_equal(current[slots], generations))
+    return len(slots) == len(generations) and bool((current[slots] == generations).all())
 
 
 def _release_table_leases(table: Any, lease_ids: Iterable[int]) -> None:
