@@ -207,6 +207,15 @@ class PlaneSampler:
             self._ensure_open()
             return self.kind
 
+    def item_bytes(self) -> int:
+        """One item's bytes in the table's segment (negotiating first if need be); 0 when the plane has no
+        layout to tell (inline)."""
+        with self._lock:
+            self._ensure_open()
+            layout = self._layout
+        # slot-major segments: every column's slot_stride is the whole row, one item's bytes
+        return layout.columns[0].slot_stride if layout is not None and layout.columns else 0
+
     # ----------------------------------------------------------------- sampling
     def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
         """``num_samples`` items (fewer only when ``timeout`` passes after some were picked), padded per ``window``.
@@ -316,13 +325,8 @@ class PlaneSampler:
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        with self._lock:
-            self._ensure_open()
-            layout = self._layout
-        # slot-major segments: every column's slot_stride is the whole row, one item's bytes
-        item_bytes = layout.columns[0].slot_stride if layout is not None and layout.columns else 0
         per_select = select_width(num_samples, batches_per_select, gpu=is_gpu_device(self.device),
-                                  item_bytes=item_bytes)
+                                  item_bytes=self.item_bytes())
         while True:
             with self._lock:
                 self._ensure_open()

@@ -61,6 +61,9 @@ STREAM_GROUP_ITEMS = 1024  # ... and, before the items' size is known (the first
 # batches() over streams: items a shard's chunk holds at least. A chunk is a whole batch (not the shard's
 # share): a batch then takes about one piece per shard (fewer pieces to assemble, fewer queue hand-offs).
 STREAM_MIN_CHUNK = 8
+# ... and at most this many batches' worth of the shard's share (within streams.STREAM_CHUNK_BYTES): what a
+# chunk holds was picked at once, so this bounds how many batches a priority change takes to show.
+STREAM_CHUNK_BATCHES = 16
 
 
 @dataclass
@@ -394,7 +397,8 @@ class ShardedSampler:
                     policy, weights = self.weights()  # a shard (re)joined, or time to hear from the idle ones
                     for index, weight in weights.items():
                         if index not in streams:
-                            streams[index] = self._start_stream(live[index], policy, chunk, window, weight)
+                            most = -(-STREAM_CHUNK_BATCHES * num_samples // max(1, len(live)))
+                            streams[index] = self._start_stream(live[index], policy, chunk, window, weight, most)
                         else:
                             streams[index].reported(weight, asked)
                     asked = now
@@ -466,9 +470,9 @@ class ShardedSampler:
         return {i: ps for i, ps in pieces.items() if ps}
 
     def _start_stream(self, shard: Shard, policy: Policy, chunk: int, window: WindowSpec,
-                      weight: ShardWeight) -> ShardStream:
+                      weight: ShardWeight, most: int) -> ShardStream:
         sampler = PlaneSampler(shard.client, self.table, planes=self.planes, device=self.device, **self._plane_options)
-        stream = ShardStream(shard, sampler, policy, chunk, window, weight)
+        stream = ShardStream(shard, sampler, policy, chunk, window, weight, most)
         with self._lock:
             self._streams.add(stream)
         return stream

@@ -32,6 +32,8 @@ from gear_client.sharding.membership import Shard
 from gear_client.sharding.selection import PRIORITIZED, Policy, ShardWeight, selection_mass
 
 STREAM_DEPTH = 2  # chunks a shard keeps ready
+STREAM_CHUNK_BYTES = 64 << 20  # a chunk (one Select's picks) holds at most this many bytes of items ...
+# ... and at least ``least`` items (a whole batch): small items are selected many batches' worth at a time
 _POLL_S = 0.5
 
 
@@ -46,13 +48,15 @@ class ShardStream:
     """One shard's picks, read ahead by its own PlaneSampler in a thread (see module docstring)."""
 
     def __init__(self, shard: Shard, sampler: PlaneSampler, policy: Policy, chunk: int, window: WindowSpec,
-                 weight: ShardWeight | None):
+                 weight: ShardWeight | None, most: int | None = None):
+        """``chunk``: the fewest items a Select picks; ``most``: the most (within STREAM_CHUNK_BYTES)."""
         self.shard = shard
         self.sampler = sampler
         self.policy = policy
         self.weight = weight  # the latest size / mass: from the last chunk taken, else from ServerInfo
         self.learned_at = time.monotonic()  # when ``weight`` was set
         self._chunk = int(chunk)
+        self._most = max(self._chunk, int(most or chunk))
         self._window = window
         self._queue: queue.Queue[SampledBatch | StreamFailed] = queue.Queue(maxsize=STREAM_DEPTH)
         self._stop = threading.Event()
@@ -63,9 +67,10 @@ class ShardStream:
 
     def _run(self) -> None:
         try:
+            chunk = chunk_items(self._chunk, self._most, self.sampler.item_bytes())
             while not self._stop.is_set():
                 try:
-                    for batch in self.sampler.batches(self._chunk, window=self._window):
+                    for batch in self.sampler.batches(chunk, window=self._window):
                         if not self._put(batch):
                             return
                 except errors.DeadlineExceededError:
@@ -131,6 +136,16 @@ class ShardStream:
         self._stop.set()
         self.sampler.close()
         self._thread.join(0.1)  # a thread still in a call to a hung daemon ends with it
+
+
+def chunk_items(least: int, most: int, item_bytes: int) -> int:
+    """Items a stream's Select picks: up to ``most`` within STREAM_CHUNK_BYTES, never under ``least``; ``least``
+    when the items' size is not known (inline). Every Select costs both sides a fixed part (the round trip,
+    the answer's framing, the calls around it): a batch of 4096 keys over 4 shards went from 1.8 to 0.8 ms
+    when each Select picked 16384 instead of 4096 (2-core VM)."""
+    if item_bytes <= 0:
+        return least
+    return max(least, min(most, STREAM_CHUNK_BYTES // item_bytes))
 
 
 class StreamError(RuntimeError):

@@ -135,6 +135,7 @@ def test_read_ahead_batch_is_one_copy_of_every_shards_pieces(cluster, monkeypatc
     group of batches is one assembly of all pieces (views of the chunks), rows lined up with keys and infos."""
     from gear_client.sharding import sampler as sampler_module
 
+    monkeypatch.setattr(sampler_module, "STREAM_CHUNK_BATCHES", 1)  # chunks of a batch: counts span chunks
     calls = []
     real = sampler_module.assemble
 
@@ -161,6 +162,40 @@ def test_read_ahead_batch_is_one_copy_of_every_shards_pieces(cluster, monkeypatc
     per_group = min(sampler_module.STREAM_GROUP_BATCHES, sampler_module.STREAM_GROUP_ITEMS // 60)
     assert per_group > 1 and len(calls) == -(-8 // per_group) and all(sum(c) == 60 * per_group for c in calls)
     assert max(len(c) for c in calls) > NUM_SHARDS  # some shard gave pieces of several chunks
+
+
+def test_streams_select_small_items_many_batches_at_a_time(cluster, monkeypatch):
+    """Each Select of a stream picks up to STREAM_CHUNK_BATCHES batches' worth of its shard's share (small items:
+    the fixed cost of a Select is paid once for many batches); the batches still come out whole and intact."""
+    from gear_client.data_planes.sampler import PlaneSampler
+    from gear_client.sharding import sampler as sampler_module
+    from gear_client.sharding.streams import STREAM_CHUNK_BYTES, chunk_items
+
+    asked = []
+    real = PlaneSampler.batches
+
+    def recording(self, num_samples, **kwargs):
+        asked.append(num_samples)
+        return real(self, num_samples, **kwargs)
+
+    monkeypatch.setattr(PlaneSampler, "batches", recording)
+    client = _sharded(cluster, seed=SEED)
+    stream = client.sampler("uni").batches(30)
+    try:
+        ids_of_key: dict[int, int] = {}
+        for _ in range(6):
+            batch = next(stream)
+            assert len(batch) == 30 and set(batch.table_sizes.tolist()) == {sum(SIZES)}
+            for key, item in zip(batch.keys.tolist(), _ids(batch).tolist(), strict=True):
+                assert ids_of_key.setdefault(key, item) == item  # a row's key and data belong together
+    finally:
+        stream.close()
+        client.close()
+    most = -(-sampler_module.STREAM_CHUNK_BATCHES * 30 // NUM_SHARDS)
+    assert asked and set(asked) == {most}  # the shm plane knows the items' size: chunks of the most
+    assert chunk_items(30, most, 0) == 30  # size unknown (inline): a batch a Select, as before
+    assert chunk_items(30, most, STREAM_CHUNK_BYTES // 40) == 40  # big items: bounded by bytes
+    assert chunk_items(30, most, STREAM_CHUNK_BYTES) == 30  # never under a batch
 
 
 def test_uniform_matches_one_table_and_keys_are_unique(cluster):
