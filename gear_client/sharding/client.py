@@ -48,6 +48,7 @@ from gear_client.sharding.selection import sum_table_infos
 from gear_client.table_info import TableInfo
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.wire import priority_arrays
 
 log = logging.getLogger(__name__)
 
@@ -200,41 +201,30 @@ class ShardedClient:
     # ------------------------------------------------------------------ table operations
     def mutate_priorities(self, table: str, updates: Mapping[int, float] | None = None,
                           deletes: Iterable[int] | None = None) -> None:
-        """Delete then update keys on the shards that own them (unknown owners: every live shard)."""
-        updates = {int(k): float(p) for k, p in (updates or {}).items()}
-        deletes = [int(k) for k in (deletes or [])]
+        """Delete then update keys on the shards that own them (unknown owners: every live shard).
+
+        ValueError naming the first key or priority that is not one (nothing is sent), as one daemon's client.
+        """
+        keys, priorities, dropped = priority_arrays(updates, deletes)
         live = self.shard_set.live()
-        routed: dict[int, tuple[dict[int, float], list[int]]] = {s.index: ({}, []) for s in live}
-        lost = []
-
-        def owners(keys: list[int]) -> list[int]:
-            try:
-                return self.shard_set.key_owners.owners(np.array(keys, np.uint64)).tolist()
-            except OverflowError:  # not a key: every shard is asked, and refuses it by name
-                return [UNKNOWN] * len(keys)
-
-        for key, owner in zip(updates, owners(list(updates)), strict=True):
-            if owner == UNKNOWN:
-                for u, _ in routed.values():
-                    u[key] = updates[key]
-            elif owner in routed:
-                routed[owner][0][key] = updates[key]
-            else:
-                lost.append(key)
-        for key, owner in zip(deletes, owners(deletes), strict=True):
-            if owner == UNKNOWN:
-                for _, d in routed.values():
-                    d.append(key)
-            elif owner in routed:
-                routed[owner][1].append(key)
-            else:
-                lost.append(key)
+        owners = self.shard_set.key_owners
+        update_owner, delete_owner = owners.owners(keys), owners.owners(dropped)
+        up = np.array([s.index for s in live], np.int64)
+        lost = int(np.count_nonzero(~np.isin(update_owner, up) & (update_owner != UNKNOWN))
+                   + np.count_nonzero(~np.isin(delete_owner, up) & (delete_owner != UNKNOWN)))
         if lost:
-            log.warning("mutate_priorities: %d key(s) live on shards that are down; not changed", len(lost))
-        targets = [self.shard_set.shards[s] for s, (u, d) in routed.items() if u or d]
+            log.warning("mutate_priorities: %d key(s) live on shards that are down; not changed", lost)
+        routed: dict[int, tuple[dict[int, float], list[int]]] = {}
+        for shard in live:
+            mine = (update_owner == shard.index) | (update_owner == UNKNOWN)
+            gone = (delete_owner == shard.index) | (delete_owner == UNKNOWN)
+            if mine.any() or gone.any():
+                routed[shard.index] = (dict(zip(keys[mine].tolist(), priorities[mine].tolist(), strict=True)),
+                                       dropped[gone].tolist())
+        targets = [self.shard_set.shards[s] for s in routed]
         results = self.shard_set.map(
             lambda s: s.client.mutate_priorities(table, routed[s.index][0], routed[s.index][1]), targets)
-        self.shard_set.forget_owners(deletes)
+        self.shard_set.forget_owners(dropped)
         self._raise_first(targets, results, "mutate_priorities")
 
     def reset(self, table: str) -> None:

@@ -271,6 +271,21 @@ def test_mutate_and_delete_reach_the_owning_shard(cluster):
     _refill_uni(cluster)
 
 
+@pytest.mark.parametrize("bad", [-1, 2**64])
+def test_mutate_with_a_key_that_is_not_one_names_it_and_changes_nothing(cluster, bad):
+    client = _sharded(cluster, seed=1)
+    try:
+        key = int(client.sampler("prio").sample(1).keys[0])  # a known owner too
+        before = _masses(cluster, "prio")
+        with pytest.raises(ValueError, match=str(bad)):
+            client.mutate_priorities("prio", updates={key: 50.0, bad: 1.0})
+        with pytest.raises(ValueError, match=str(bad)):
+            client.mutate_priorities("prio", deletes=[bad])
+        assert _masses(cluster, "prio") == before
+    finally:
+        client.close()
+
+
 def _refill_uni(c: Cluster) -> None:
     """Give "uni" back one item on the shard that lost one (ids as before)."""
     sizes = [s for s, _ in _masses(c, "uni")]
