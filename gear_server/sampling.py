@@ -35,19 +35,24 @@ class Picks:
     held: Held  # what the lease on these picks holds
 
 
+def run_members(values: np.ndarray) -> np.ndarray | None:
+    """Which entries of sorted ``values`` equal a neighbour (the members of runs of two or more); None if none."""
+    same = values[1:] == values[:-1]
+    if not same.any():
+        return None
+    member = np.zeros(len(values), np.bool_)
+    member[1:] = same
+    member[:-1] |= same
+    return member
+
+
 def find_repeats(slots: np.ndarray) -> np.ndarray:
     """The positions of the picks whose slot is picked more than once, grouped by slot, ascending in a group."""
     if len(slots) < 2:
         return NO_REPEATS
     order = np.argsort(slots, kind="stable")
-    s = slots[order]
-    same = s[1:] == s[:-1]
-    if not same.any():
-        return NO_REPEATS
-    member = np.zeros(len(s), np.bool_)
-    member[1:] = same
-    member[:-1] |= same
-    return order[member]
+    member = run_members(slots[order])
+    return NO_REPEATS if member is None else order[member]
 
 
 def held_of(slots: np.ndarray, repeats: np.ndarray | None = None) -> Held:
@@ -55,14 +60,18 @@ def held_of(slots: np.ndarray, repeats: np.ndarray | None = None) -> Held:
     repeats = find_repeats(slots) if repeats is None else repeats
     if not len(repeats):
         return Held(slots, NO_REPEATS, NO_REPEATS)
-    group_slots, _, counts = _groups(slots.take(repeats))
+    group_slots, _, counts, _ = _repeat_groups(slots, repeats)
     return Held(slots, group_slots, counts - 1)
 
 
-def _groups(repeated: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(slot, start, length) of each run of equal values in ``repeated`` (repeats' slots, grouped)."""
+def _repeat_groups(slots: np.ndarray, repeats: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per slot picked more than once: (slot, where its repeats start in ``repeats``, how many picks), and
+    per repeat its occurrence among its slot's picks (0 for the first)."""
+    repeated = slots.take(repeats)
     firsts = np.flatnonzero(np.concatenate(([True], repeated[1:] != repeated[:-1])))
-    return repeated[firsts], firsts, np.diff(firsts, append=len(repeated))
+    counts = np.diff(firsts, append=len(repeated))
+    return repeated[firsts], firsts, counts, np.arange(len(repeats)) - np.repeat(firsts, counts)
 
 
 def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_times_sampled: int,
@@ -79,8 +88,7 @@ def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_ti
     before = records["times_sampled"]
     times = before + np.int32(1)
     if len(repeats):  # a repeat counts the earlier picks of its slot in this batch
-        group_slots, firsts, counts = _groups(slots.take(repeats))
-        occ = np.arange(len(repeats)) - np.repeat(firsts, counts)
+        group_slots, firsts, counts, occ = _repeat_groups(slots, repeats)
         times[repeats] += occ.astype(np.int32)
     mts = max_times_sampled
     if mts:
@@ -90,8 +98,7 @@ def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_ti
             slots, probs, times, before, records = slots[:cut], probs[:cut], times[:cut], before[:cut], records[:cut]
             repeats = find_repeats(slots) if len(repeats) else NO_REPEATS
             if len(repeats):
-                group_slots, firsts, counts = _groups(slots.take(repeats))
-                occ = np.arange(len(repeats)) - np.repeat(firsts, counts)
+                group_slots, firsts, counts, occ = _repeat_groups(slots, repeats)
     first = len(slots) - int(np.count_nonzero(before))
     m.times_sampled[slots] = times  # right for slots picked once
     m.leases[slots] += 1  # once per distinct slot

@@ -27,12 +27,12 @@ import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.selectors import priority_weights
+from gear_server.sampling import NO_REPEATS, run_members
 from gear_server.selectors.base import Selector
 from gear_server.selectors.offload import WeightOffload
 from gear_server.selectors.uniform import Uniform
 
 STALE_SLOTS_MAX = 1 << 16  # updated slots whose block sums may wait for the next read
-_REPEATS_NONE = np.empty(0, np.int64)
 
 
 def block_size_for(capacity: int) -> int:
@@ -221,12 +221,9 @@ class Prioritized(Selector):
         # the picks in random order: sorted pick i goes to place[i] (a uniform permutation of sorted
         # independent draws is independent draws in order); the places of a slot's repeats ascend
         place = rng.permutation(n)
-        repeats = _REPEATS_NONE
-        same = pos[1:] == pos[:-1]
-        if same.any():
-            member = np.zeros(n, np.bool_)
-            member[1:] = same
-            member[:-1] |= same
+        repeats = NO_REPEATS
+        member = run_members(pos)
+        if member is not None:
             idx = np.flatnonzero(member)  # sorted: grouped by slot
             key = pos.take(idx) * n + place.take(idx)
             key.sort()
