@@ -210,8 +210,7 @@ class ShardedClient:
         owners = self.shard_set.key_owners
         update_owner, delete_owner = owners.owners(keys), owners.owners(dropped)
         up = np.array([s.index for s in live], np.int64)
-        lost = int(np.count_nonzero(~np.isin(update_owner, up) & (update_owner != UNKNOWN))
-                   + np.count_nonzero(~np.isin(delete_owner, up) & (delete_owner != UNKNOWN)))
+        lost = sum(int(np.count_nonzero(~np.isin(o, up) & (o != UNKNOWN))) for o in (update_owner, delete_owner))
         if lost:
             log.warning("mutate_priorities: %d key(s) live on shards that are down; not changed", lost)
         routed: dict[int, tuple[dict[int, float], list[int]]] = {}
@@ -224,7 +223,7 @@ class ShardedClient:
         targets = [self.shard_set.shards[s] for s in routed]
         results = self.shard_set.map(
             lambda s: s.client.mutate_priorities(table, routed[s.index][0], routed[s.index][1]), targets)
-        self.shard_set.forget_owners(dropped)
+        owners.forget(dropped)
         self._raise_first(targets, results, "mutate_priorities")
 
     def reset(self, table: str) -> None:

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 
-from gear_client.sharding.owners import UNKNOWN, KeyOwners
+from gear_client.sharding.owners import KeyOwners
 from gear_contract._proto import replay_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -262,19 +261,6 @@ class ShardSet:
     def states(self) -> list[ShardState]:
         with self._lock:
             return [s.state() for s in self.shards]
-
-    # ------------------------------------------------------------------ key ownership
-    def learn_owners(self, keys: np.ndarray, shard: Shard) -> None:
-        """Remember that ``keys`` live on ``shard`` (``owners.KeyOwners``: no per-key work)."""
-        self.key_owners.learn(keys, shard.index)
-
-    def owner(self, key: int) -> Shard | None:
-        """The shard that holds ``key`` as last learnt, or None."""
-        index = int(self.key_owners.owners(np.array([int(key)], np.uint64))[0])
-        return None if index == UNKNOWN else self.shards[index]
-
-    def forget_owners(self, keys: Iterable[int]) -> None:
-        self.key_owners.forget(keys)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -65,7 +65,7 @@ class KeyOwners:
 
     def owners(self, keys: Iterable[int] | np.ndarray) -> np.ndarray:
         """The shard index of each key (int64; ``UNKNOWN`` where never learnt), the latest learnt winning."""
-        asked = np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.uint64).reshape(-1)
+        asked = _as_keys(keys)
         out = np.full(len(asked), UNKNOWN, np.int64)
         with self._lock:
             for entry, found, where in self._search(asked):
@@ -74,7 +74,7 @@ class KeyOwners:
 
     def forget(self, keys: Iterable[int] | np.ndarray) -> None:
         """Forget ``keys`` (deleted items): every array holding one drops it."""
-        asked = np.unique(np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.uint64))
+        asked = np.unique(_as_keys(keys))
         if not asked.size:
             return
         with self._lock:
@@ -100,3 +100,8 @@ class KeyOwners:
             if found.any():
                 yield entry, found, where
                 where = where[~found]
+
+
+def _as_keys(keys: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``keys`` as a flat uint64 array (an iterable read once)."""
+    return np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.uint64).reshape(-1)

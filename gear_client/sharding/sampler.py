@@ -268,7 +268,7 @@ class ShardedSampler:
             else:
                 infos = tuple(np.concatenate([getattr(p, f) for p in ps])
                               for f in ("keys", "priorities", "probabilities", "table_sizes"))
-            self.shards.learn_owners(infos[0], self.shards.shards[index])
+            self.shards.key_owners.learn(infos[0], index)
             per_shard[index] = infos[1:]
             flat.extend(ps)
         size, probabilities = globalise(policy, weights, per_shard)

@@ -48,7 +48,7 @@ class ShardStream:
     """One shard's picks, read ahead by its own PlaneSampler in a thread (see module docstring)."""
 
     def __init__(self, shard: Shard, sampler: PlaneSampler, policy: Policy, chunk: int, window: WindowSpec,
-                 weight: ShardWeight | None, most: int | None = None):
+                 weight: ShardWeight | None, most: int):
         """``chunk``: the fewest items a Select picks; ``most``: the most (within STREAM_CHUNK_BYTES)."""
         self.shard = shard
         self.sampler = sampler
@@ -56,7 +56,7 @@ class ShardStream:
         self.weight = weight  # the latest size / mass: from the last chunk taken, else from ServerInfo
         self.learned_at = time.monotonic()  # when ``weight`` was set
         self._chunk = int(chunk)
-        self._most = max(self._chunk, int(most or chunk))
+        self._most = max(self._chunk, int(most))
         self._window = window
         self._queue: queue.Queue[SampledBatch | StreamFailed] = queue.Queue(maxsize=STREAM_DEPTH)
         self._stop = threading.Event()
