@@ -1,7 +1,8 @@
 """GPU selection and collection benchmark (`make bench-gpu`): figures against the ceilings they work toward.
 
 Measured in one run, on one machine:
-  1. the pinned host-to-device copy ceiling (cudaMemcpyAsync from pinned memory);
+  1. the pinned host-to-device copy ceiling (bench_planes.h2d_ceiling: the best of five 64 MiB copies, the
+     ceiling bench_planes and bench_shards measure against too);
   2. gather GB/s from a registered /dev/shm segment for items of 4 KiB .. 1 MiB at
      B = 32, 256, 1024 (kernel time by CUDA events; end-to-end from host slots by
      wall clock), beside the NumPy twin (host gather);
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 import numpy as np
+from bench_planes import h2d_ceiling
 
 import gear_kernels as gk
 from gear_contract.layout import TableLayout
@@ -72,19 +74,6 @@ def median_events(cp, fn, reps: int, warmup: int = 2) -> float:
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
     return statistics.median(times)
-
-
-def pinned_ceiling(cp, nbytes: int = 256 << 20, reps: int = 10) -> float:
-    host = np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), dtype=np.uint8, count=nbytes)
-    host[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    dev = cp.empty(nbytes, dtype=cp.uint8)
-    stream = cp.cuda.get_current_stream()
-
-    def copy():
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice,
-                                    stream.ptr)
-
-    return nbytes / median_events(cp, copy, reps)
 
 
 def shm_segment(nbytes: int, seed: int):
@@ -367,7 +356,7 @@ def main() -> int:
               "cupy": cp.__version__, "numpy": np.__version__, "python": platform.python_version(),
               "cpu_count": os.cpu_count()}
     print(f"# gear GPU kernels benchmark, {result['date']}, {result['device']}, cupy {result['cupy']}")
-    ceiling = pinned_ceiling(cp)
+    ceiling = h2d_ceiling() * 1e9  # the one ceiling every GPU bench measures against (bench_planes)
     result["pinned_h2d_gbps"] = ceiling / 1e9
     print(f"pinned host-to-device copy ceiling: {ceiling / 1e9:.1f} GB/s")
     if "diag" in sections:
