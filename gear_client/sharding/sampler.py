@@ -169,7 +169,7 @@ class ShardedSampler:
                 if info.name == self.table:
                     missing = False
                     if policy is None:
-                        policy = self._policy = Policy.of(info.sampler_options)
+                        policy = self._policy = Policy.of(info.sampler_options, info.max_times_sampled)
                     weights[shard.index] = ShardWeight.of(shard.index, info)
                     break
         if policy is None:

@@ -18,6 +18,10 @@ the reported ``probability`` and ``table_size`` to the global ones:
 * fifo/lifo: the shards have no common clock, so the batch is split by size and
   each shard gives its own oldest (newest) items: exact per shard, approximate
   globally. Reported probability 1.0 (as one table).
+* a table whose picks remove their items (``max_times_sampled`` 1, e.g. a
+  queue), unless prioritized: split without replacement (multivariate
+  hypergeometric by size), so no shard is asked for more items than it holds
+  while the table holds the batch.
 """
 
 from __future__ import annotations
@@ -40,17 +44,19 @@ class Policy:
     kind: str
     exponent: float = 0.0
     min_heap: bool = False
+    consumes: bool = False  # max_times_sampled 1 (a queue): a pick removes its item
 
     @classmethod
-    def of(cls, options: pb.SelectorOptions) -> Policy:
+    def of(cls, options: pb.SelectorOptions, max_times_sampled: int = 0) -> Policy:
         kind = options.WhichOneof("distribution")
+        consumes = int(max_times_sampled) == 1
         if kind == PRIORITIZED:
-            return cls(kind, exponent=float(options.prioritized.priority_exponent))
+            return cls(kind, exponent=float(options.prioritized.priority_exponent), consumes=consumes)
         if kind == HEAP:
-            return cls(kind, min_heap=bool(options.heap.min_heap))
+            return cls(kind, min_heap=bool(options.heap.min_heap), consumes=consumes)
         if kind not in (UNIFORM, FIFO, LIFO):
             raise ValueError(f"a sharded table needs a known sampler, got {kind!r}")
-        return cls(kind)
+        return cls(kind, consumes=consumes)
 
 
 @dataclass(frozen=True)
@@ -75,17 +81,67 @@ def split(policy: Policy, weights: list[ShardWeight], n: int, rng: np.random.Gen
     if not present or n <= 0:
         return {}
     if policy.kind == HEAP:
+        if policy.consumes:  # the best heads first, each shard's whole content at most
+            present.sort(key=lambda w: ((-w.head if policy.min_heap else w.head)
+                                        if w.head is not None else -math.inf, -w.shard), reverse=True)
+            return _counts(present, _fill_in_order(np.array([w.size for w in present], np.int64), n))
         best = max(present, key=lambda w: ((-w.head if policy.min_heap else w.head)
                                            if w.head is not None else -math.inf, -w.shard))
         return {best.shard: n}
-    share = np.array([w.size for w in present], np.float64)
+    sizes = np.array([w.size for w in present], np.int64)
+    if policy.consumes and policy.kind != PRIORITIZED:
+        return _counts(present, _without_replacement(sizes, n, rng))
+    share = sizes.astype(np.float64)
     if policy.kind == PRIORITIZED:
         masses = np.array([w.mass for w in present], np.float64)
         total = masses.sum()
         if total > 0 and math.isfinite(total):
             share = masses
     counts = rng.multinomial(n, share / share.sum())
+    if policy.consumes:
+        counts = _within_sizes(counts, sizes, share, rng)
+    return _counts(present, counts)
+
+
+def _counts(present: list[ShardWeight], counts: np.ndarray) -> dict[int, int]:
     return {w.shard: int(c) for w, c in zip(present, counts.tolist(), strict=True) if c}
+
+
+def _without_replacement(sizes: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Counts of ``n`` picks that each remove their item (a queue): n items of the union drawn without
+    replacement (multivariate hypergeometric), so no shard is asked for more than it holds while the
+    others hold enough (such a part would wait, holding the items the other parts removed). Past the
+    total, every item is taken and the rest is split by size: those parts wait for new items, as one
+    table would."""
+    total = int(sizes.sum())
+    if n <= total:
+        return rng.multivariate_hypergeometric(sizes, n)
+    return sizes + rng.multinomial(n - total, sizes / total)
+
+
+def _fill_in_order(sizes: np.ndarray, n: int) -> np.ndarray:
+    """``n`` picks from the shards in order, each up to its size; the rest on the first (it waits)."""
+    counts = np.minimum(np.maximum(n - np.concatenate(([0], np.cumsum(sizes)[:-1])), 0), sizes)
+    counts[0] += n - int(counts.sum())
+    return counts
+
+
+def _within_sizes(counts: np.ndarray, sizes: np.ndarray, share: np.ndarray, rng: np.random.Generator
+                  ) -> np.ndarray:
+    """Counts past a shard's size moved to shards with room, by their share (picks that remove their
+    items: prioritized queues); what no shard has room for stays where it was drawn."""
+    counts = counts.copy()
+    for _ in range(len(counts)):
+        excess = int(np.maximum(counts - sizes, 0).sum())
+        room = np.maximum(sizes - counts, 0)
+        if not excess or not room.any():
+            break
+        np.minimum(counts, sizes, out=counts)
+        weights = np.where(room > 0, share, 0.0)
+        if not weights.sum() > 0:
+            weights = room.astype(np.float64)
+        counts += rng.multinomial(excess, weights / weights.sum())
+    return counts
 
 
 MASS_SAMPLE = 16  # items a shard's mass is derived from (each gives it exactly, up to rounding)

@@ -38,7 +38,12 @@ sampler = {sampler}
 remover = "fifo"
 max_size = {max_size}
 rate_limiter = {GATE_LIMITER if name == "gate" else "{ min_size = 1 }"}
-""" for name, (sampler, max_size) in _TABLES.items())
+""" for name, (sampler, max_size) in _TABLES.items()) + """
+[[tables]]
+name = "queue"
+preset = "queue"
+max_size = 100
+"""
 
 
 def shard_config(port: int, instance: str, checkpoints: Path) -> str:

@@ -221,3 +221,27 @@ def test_gpu_assembly_plan_refuses_a_piece_wider_than_the_batch_row():
     with pytest.raises(ValueError, match="column 1: a piece's rows \\(96 bytes\\) exceed the batch's \\(64\\)"):
         plan_rows([[(0, 8), (0, 8)], [(0, 64), (0, 96)]], [2, 3], np.arange(5), np.array([0, 2]), [0, 4096],
                   [8, 64])
+
+
+def test_picks_that_remove_their_items_never_ask_a_shard_for_more_than_it_holds():
+    rng = np.random.default_rng(3)
+    sizes = [ShardWeight(0, 1, 50.0), ShardWeight(1, 4, 1.0), ShardWeight(2, 2, 1.0, head=9.0)]
+    for kind in ("uniform", "fifo", "prioritized"):
+        policy = Policy(kind, exponent=1.0, consumes=True)
+        for n in range(1, 8):
+            counts = split(policy, sizes, n, rng)
+            assert sum(counts.values()) == n
+            assert all(counts[w.shard] <= w.size for w in sizes if w.shard in counts), (kind, n, counts)
+    # past the table's size every item is taken; the rest waits where it was drawn
+    over = split(Policy("uniform", consumes=True), sizes, 10, rng)
+    assert sum(over.values()) == 10 and all(over[w.shard] >= w.size for w in sizes)
+    # uniform without replacement: each item equally likely to be in the batch
+    hits = np.zeros(3)
+    for _ in range(3000):
+        for shard, c in split(Policy("uniform", consumes=True), sizes, 3, rng).items():
+            hits[shard] += c
+    assert np.allclose(hits / hits.sum(), [1 / 7, 4 / 7, 2 / 7], atol=0.02)
+    # a heap that removes: the best heads first, each shard's content at most
+    heads = [ShardWeight(0, 2, head=5.0), ShardWeight(1, 3, head=9.0), ShardWeight(2, 4, head=1.0)]
+    assert split(Policy("heap", consumes=True), heads, 4, rng) == {1: 3, 0: 1}
+    assert split(Policy("heap", min_heap=True, consumes=True), heads, 5, rng) == {2: 4, 0: 1}

@@ -477,3 +477,23 @@ def test_a_part_waiting_on_a_hung_shard_is_taken_from_the_others(cluster, caplog
         for client in direct:
             client.reset("gate")
             client.close()
+
+
+def test_a_queue_over_shards_takes_what_each_shard_holds(cluster):
+    """Picks that remove their items (a queue): a batch as large as the table comes out whole and at once,
+    each shard asked for no more than it holds (a part asked for more would wait holding what the others
+    removed); one item a shard, three times over (any split by size alone asks some shard for two)."""
+    direct = [reverb.Client(a) for a in cluster.addresses]
+    client = _sharded(cluster, seed=SEED)
+    try:
+        for round_ in range(3):
+            for shard, c in enumerate(direct):
+                c.insert({"id": np.int64(1000 * round_ + shard)}, priorities={"queue": 1.0})
+            batch = client.sampler("queue").sample(NUM_SHARDS, timeout=10)
+            assert sorted(_ids(batch).tolist()) == [1000 * round_ + s for s in range(NUM_SHARDS)]
+            assert [c.server_info()["queue"].current_size for c in direct] == [0] * NUM_SHARDS
+    finally:
+        client.close()
+        for c in direct:
+            c.reset("queue")
+            c.close()
