@@ -188,7 +188,7 @@ class ShardedClient:
         """``num_samples`` items with global semantics, as ``Client.sample`` yields them."""
         structure = None
         if unpack_as_table_signature:
-            info = self._any_table_info(table)
+            info = self._table_info(table)
             structure = info.signature.structure if info.HasField("signature") else None
         sampler = self.sampler(table)
         remaining = int(num_samples)
@@ -274,10 +274,12 @@ class ShardedClient:
             out[name] = ShardedTableInfo(**vars(base), shards=states)
         return out
 
-    def _any_table_info(self, table: str) -> pb.TableInfo:
+    def _table_info(self, table: str, refresh: bool = False) -> pb.TableInfo:
+        """A live shard's TableInfo of ``table``, as ``Client._table_info`` gives (the datasets read its
+        configuration, alike on every shard; its sizes are that shard's: ``server_info`` sums them)."""
         for shard in self.shard_set.live():
             try:
-                return shard.client._table_info(table)
+                return shard.client._table_info(table, refresh=refresh)
             except errors.ServiceError as exc:
                 if not is_unreachable(exc):
                     raise

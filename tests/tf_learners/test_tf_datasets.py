@@ -297,3 +297,30 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240,
                          cwd=tmp_path)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
+
+
+def test_tf_dataset_over_a_list_of_shards_reports_global_probabilities():
+    """``TrajectoryDataset.from_table_signature([a, b], ...)``: one table over two daemons, as tf.data sees it
+    (the dataset reads the table's configuration from a shard; sizes and probabilities are global)."""
+    spec = {"x": tf.TensorSpec([3], tf.float32)}
+    servers = [reverb.Server(tables=[reverb.Table("p", reverb.selectors.Prioritized(1.0), reverb.selectors.Fifo(),
+                                                  100, reverb.rate_limiters.MinSize(1), signature=spec)])
+               for _ in range(2)]
+    try:
+        for shard, srv in enumerate(servers):
+            with reverb.Client(_address(srv)).trajectory_writer(num_keep_alive_refs=1) as writer:
+                for _ in range(2 + shard):  # 2 items of priority 1 on one shard, 3 of priority 4 on the other
+                    writer.append({"x": np.full(3, shard, np.float32)})
+                    writer.create_item("p", float((1 + shard) ** 2), {"x": writer.history["x"][-1]})
+        dataset = reverb.TrajectoryDataset.from_table_signature([_address(s) for s in servers], "p",
+                                                                max_in_flight_samples_per_worker=4)
+        seen = set()
+        for sample in dataset.take(40):
+            shard = int(sample.data["x"].numpy()[0])
+            assert sample.info.table_size.numpy() == 5
+            assert sample.info.probability.numpy() == pytest.approx((1 + shard) ** 2 / 14)
+            seen.add(shard)
+        assert seen == {0, 1}
+    finally:
+        for srv in servers:
+            srv.stop()
