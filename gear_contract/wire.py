@@ -49,6 +49,28 @@ def length_prefix(tag_byte: int, length: int) -> bytes:
     return bytes((tag_byte,)) + encode_varint(length)
 
 
+@functools.lru_cache(maxsize=256)
+def _tensor_field_prefix(message: type, field: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    """Tensor field ``field`` of ``message``: its key and length, then the Tensor's fields before its data's
+    bytes (all fixed by dtype and shape, which a learner's batches repeat: cached)."""
+    head = pb.Tensor(dtype=dtype, shape=shape).SerializeToString()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    data_prefix = length_prefix(pb.Tensor.DESCRIPTOR.fields_by_name["data"].number << 3 | 2, nbytes)
+    tag = message.DESCRIPTOR.fields_by_name[field].number << 3 | 2  # every such field number is below 16
+    return length_prefix(tag, len(head) + len(data_prefix) + nbytes) + head + data_prefix
+
+
+def encode_tensor_fields(message: type, arrays: Iterable[tuple[str, np.ndarray]], head: bytes = b"") -> bytes:
+    """``head`` (the rest of a ``message``, serialized), then its Tensor fields (field name, array) framed by
+    hand around the arrays' bytes, each copied once (a strided one packed on the way): it parses as the
+    message with those Tensors set (the Select answer's per-item arrays: one copy, not into a message and
+    out again)."""
+    pieces: list[Any] = [head]
+    for field, a in arrays:
+        pieces += (_tensor_field_prefix(message, field, a.dtype.str, tuple(a.shape)), np.ascontiguousarray(a))
+    return b"".join(pieces)
+
+
 def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     """(value, position after it); ValueError on a truncated or over-long varint."""
     result = 0

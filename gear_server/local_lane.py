@@ -56,6 +56,7 @@ HELLO_TIMEOUT_S = 5.0  # the whole hello, however slowly its bytes come
 CLOSE_WAIT_S = 5.0  # how long close() waits for calls being answered
 KEEP_BUFFER_BYTES = 1 << 20  # a connection's read buffer goes back to 64 KiB after a larger request
 _OK = grpc.StatusCode.OK.value[0]
+SEND_JOINED_BYTES = 64 << 10  # a smaller answer is copied behind its head (one send call either way)
 
 
 class LaneAbort(Exception):
@@ -167,7 +168,7 @@ class LocalLaneServer:
     def _serve(self, conn: socket.socket) -> None:
         buffer = bytearray(64 << 10)
         authenticated = False
-        loop: asyncio.AbstractEventLoop | None = None  # this connection's, made at its first coroutine call
+        loop: _CallLoop | None = None  # this connection's, made at its first coroutine call
         try:
             kind, payload, buffer = _read_frame(conn, buffer, MAX_HELLO_BYTES,
                                                 deadline=time.monotonic() + HELLO_TIMEOUT_S)
@@ -194,9 +195,9 @@ class LocalLaneServer:
                     self._in_call += 1
                 try:
                     if kind in self._on_loop and loop is None:
-                        loop = asyncio.new_event_loop()
+                        loop = _CallLoop(conn)
                     answer, code = self._call(kind, payload, conn, loop)
-                    conn.sendall(answer)
+                    _send_frame(conn, *answer)
                 finally:
                     with self._idle:
                         self._in_call -= 1
@@ -219,47 +220,62 @@ class LocalLaneServer:
             conn.close()
 
     def _call(self, kind: int, payload: memoryview, conn: socket.socket,
-              loop: asyncio.AbstractEventLoop | None) -> tuple[bytes, grpc.StatusCode]:
-        """The answer frame of one call and its status."""
+              loop: _CallLoop | None) -> tuple[tuple[int, bytes], grpc.StatusCode]:
+        """The answer of one call (its frame's kind and payload) and its status."""
         handler = self.handlers.get(kind)
         if handler is None:
             raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"no local lane method of kind {kind}")
         try:
             if kind in self._on_loop:
-                return frame(_OK, _run_here(loop, handler, bytes(payload), conn)), grpc.StatusCode.OK
-            return frame(_OK, handler(payload)), grpc.StatusCode.OK
+                return (_OK, loop.run(handler, bytes(payload))), grpc.StatusCode.OK
+            return (_OK, handler(payload)), grpc.StatusCode.OK
         except _PeerGone:
             if self.metrics is not None:
                 self.metrics.observe_rpc(METHODS[kind], grpc.StatusCode.CANCELLED)
             raise
         except Exception as e:  # noqa: BLE001 (a status for the client, as the RPC would end)
             code, message = _status(e, METHODS[kind])
-            return frame(code.value[0], message.encode()), code
+            return (code.value[0], message.encode()), code
 
 
-def _run_here(loop: asyncio.AbstractEventLoop, handler: Callable, request: bytes, conn: socket.socket) -> bytes:
-    """A coroutine handler's answer, run on this connection thread's ``loop``; cancelled (``_PeerGone``)
-    when the client leaves meanwhile (its socket turns readable at EOF: one call at a time, nothing
-    else comes while a call is answered)."""
-    task = loop.create_task(handler(request, LaneContext()))
-    gone = False
+class _CallLoop:
+    """A connection thread's event loop for its coroutine calls. While a call runs, the client's socket
+    is watched for its EOF (readable then: one call at a time, nothing else comes while a call is
+    answered), which cancels the call (``_PeerGone``). The watch stays registered from call to call
+    (two epoll changes fewer a call); a wake that was not an EOF drops it until the next call."""
 
-    def readable() -> None:
-        nonlocal gone
-        loop.remove_reader(conn.fileno())  # once: bytes that are not an EOF are the next read's error
-        if _peer_gone(conn):
-            gone = True
-            task.cancel()
+    def __init__(self, conn: socket.socket):
+        self.loop = asyncio.new_event_loop()
+        self.conn = conn
+        self.task: asyncio.Task | None = None
+        self.gone = False
+        self.watching = False
 
-    loop.add_reader(conn.fileno(), readable)
-    try:
-        return loop.run_until_complete(task)
-    except asyncio.CancelledError:
-        if gone:
-            raise _PeerGone from None
-        raise LaneAbort(grpc.StatusCode.CANCELLED, "the call was cancelled") from None
-    finally:
-        loop.remove_reader(conn.fileno())
+    def _readable(self) -> None:
+        self.loop.remove_reader(self.conn.fileno())  # bytes that are not an EOF are the next read's error
+        self.watching = False
+        if _peer_gone(self.conn):
+            self.gone = True
+            if self.task is not None:
+                self.task.cancel()
+
+    def run(self, handler: Callable, request: bytes) -> bytes:
+        """A coroutine handler's answer, run on this loop; ``_PeerGone`` when the client left meanwhile."""
+        task = self.task = self.loop.create_task(handler(request, LaneContext()))
+        if not self.watching:
+            self.loop.add_reader(self.conn.fileno(), self._readable)
+            self.watching = True
+        try:
+            return self.loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            if self.gone:
+                raise _PeerGone from None
+            raise LaneAbort(grpc.StatusCode.CANCELLED, "the call was cancelled") from None
+        finally:
+            self.task = None
+
+    def close(self) -> None:
+        self.loop.close()  # its selector with it (the watch ends there)
 
 
 def _status(error: BaseException, method: str | None) -> tuple[grpc.StatusCode, str]:
@@ -327,6 +343,21 @@ def _read_frame(conn: socket.socket, buffer: bytearray, limit: int, deadline: fl
             raise ConnectionResetError("the connection ended inside a frame")
         got += n
     return kind, view[HEAD.size:total], buffer
+
+
+def _send_frame(conn: socket.socket, kind: int, payload: bytes) -> None:
+    """Send one frame; a large payload goes after its head in the same call, not copied behind it first."""
+    if len(payload) < SEND_JOINED_BYTES:
+        conn.sendall(frame(kind, payload))
+        return
+    head = HEAD.pack(len(payload) + 1, kind)
+    sent = conn.sendmsg((head, payload))
+    if sent < len(head):
+        conn.sendall(head[sent:])
+        sent = len(head)
+    if sent < len(head) + len(payload):
+        with memoryview(payload) as view:
+            conn.sendall(view[sent - len(head):])
 
 
 def _answer_and_close(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gear_server.slots import Held, ItemMetadata
+from gear_server.slots import ONE_LEASE, ONE_SAMPLE, Held, ItemMetadata, sample_counts
 
 NO_REPEATS = np.empty(0, np.int64)
 
@@ -69,9 +69,15 @@ def _repeat_groups(slots: np.ndarray, repeats: np.ndarray
     """Per slot picked more than once: (slot, where its repeats start in ``repeats``, how many picks), and
     per repeat its occurrence among its slot's picks (0 for the first)."""
     repeated = slots.take(repeats)
-    firsts = np.flatnonzero(np.concatenate(([True], repeated[1:] != repeated[:-1])))
-    counts = np.diff(firsts, append=len(repeated))
-    return repeated[firsts], firsts, counts, np.arange(len(repeats)) - np.repeat(firsts, counts)
+    starts = np.empty(len(repeated), np.bool_)  # a group's first repeat (numpy calls, no Python-level helpers)
+    starts[0] = True
+    np.not_equal(repeated[1:], repeated[:-1], out=starts[1:])
+    firsts = np.flatnonzero(starts)
+    ends = np.empty_like(firsts)
+    ends[:-1] = firsts[1:]
+    ends[-1] = len(repeated)
+    counts = ends - firsts
+    return repeated.take(firsts), firsts, counts, np.arange(len(repeated)) - np.repeat(firsts, counts)
 
 
 def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_times_sampled: int,
@@ -86,7 +92,9 @@ def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_ti
         repeats = find_repeats(slots)
     records = m.hot.take(slots)  # one cache line per pick for every field read here
     before = records["times_sampled"]
-    times = before + np.int32(1)
+    # each pick's slot sampled and leased once more, both written back in one pass (``m.counts``)
+    pairs = sample_counts(records) + (ONE_SAMPLE + ONE_LEASE)
+    times = pairs.view("<i4")[::2]  # the low halves: what each pick reports (a view: changes go into pairs)
     if len(repeats):  # a repeat counts the earlier picks of its slot in this batch
         group_slots, firsts, counts, occ = _repeat_groups(slots, repeats)
         times[repeats] += occ.astype(np.int32)
@@ -96,12 +104,12 @@ def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_ti
         if hits.size and hits[0] + 1 < len(slots):  # later picks would not have seen the deleted item
             cut = int(hits[0]) + 1
             slots, probs, times, before, records = slots[:cut], probs[:cut], times[:cut], before[:cut], records[:cut]
+            pairs = pairs[:cut]
             repeats = find_repeats(slots) if len(repeats) else NO_REPEATS
             if len(repeats):
                 group_slots, firsts, counts, occ = _repeat_groups(slots, repeats)
     first = len(slots) - int(np.count_nonzero(before))
-    m.times_sampled[slots] = times  # right for slots picked once
-    m.leases[slots] += 1  # once per distinct slot
+    m.counts[slots] = pairs  # times right for slots picked once; leases + 1 once per distinct slot
     if len(repeats):
         before_repeats = before.take(repeats)
         first -= int(np.count_nonzero((before_repeats == 0) & (occ > 0)))  # only a slot's first pick is

@@ -403,9 +403,10 @@ class ReplayService:
             self._lane_task = loop.create_task(self._close_lane_after(server))
 
     async def _select_on_lane(self, request: bytes, context: LaneContext) -> bytes:
-        """On the lane connection's own loop: the table work inline, no hop to the daemon's loop or pool."""
-        return (await self.data_planes.select(_parse(pb.SelectRequest, request), context,
-                                              _INLINE_CALLS)).SerializeToString()
+        """On the lane connection's own loop: the table work inline, no hop to the daemon's loop or pool;
+        the answer serialized as it is built (its arrays copied once)."""
+        return await self.data_planes.select(_parse(pb.SelectRequest, request), context, _INLINE_CALLS,
+                                             serialized=True)
 
     async def _release_on_lane(self, request: bytes, context: LaneContext) -> bytes:
         return (await self.data_planes.release(_parse(pb.ReleaseRequest, request), context,

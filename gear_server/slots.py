@@ -33,6 +33,20 @@ class Held(NamedTuple):
 # picks then fetches one cache line per pick instead of one per field (5x fewer lines from memory).
 HOT = np.dtype([("key", "<u8"), ("priority", "<f8"), ("generation", "<u8"), ("times_sampled", "<i4"),
                 ("leases", "<i4")])
+# times_sampled and leases side by side read as one little-endian int64 (times_sampled its low half, never
+# negative, so adding to one half never carries into the other): a pick counts both in one write per slot.
+ONE_SAMPLE = np.int64(1)
+ONE_LEASE = np.int64(1 << 32)
+
+
+_COUNTS = np.dtype("<i8")
+_COUNTS_OFFSET = HOT.fields["times_sampled"][1]
+assert HOT.fields["leases"][1] == _COUNTS_OFFSET + 4  # the pair's high half
+
+
+def sample_counts(records: np.ndarray) -> np.ndarray:
+    """The (times_sampled, leases) pair of each of ``records`` (a 1-D HOT array) as one int64 view."""
+    return np.ndarray(records.shape, _COUNTS, records, _COUNTS_OFFSET, records.strides)
 
 
 class ItemMetadata:
@@ -41,7 +55,7 @@ class ItemMetadata:
     ``key``, ``priority``, ``generation``, ``times_sampled`` and ``leases`` are views of the fields
     of ``hot`` (one record per slot), so they are strided: index them (``a[slots]``), and gather a
     batch of slots' records with ``hot.take(slots)``, not ``a.take`` (which would copy the field
-    whole first).
+    whole first). ``counts`` views times_sampled and leases together (``sample_counts``).
     """
 
     FIELDS = ("insert_seq", "update_seq", "length", "valid")  # besides the records of ``hot``
@@ -53,6 +67,7 @@ class ItemMetadata:
         self.generation = self.hot["generation"]
         self.times_sampled = self.hot["times_sampled"]
         self.leases = self.hot["leases"]
+        self.counts = sample_counts(self.hot)
         self.insert_seq = np.zeros(capacity, np.int64)
         self.update_seq = np.zeros(capacity, np.int64)
         self.length = np.zeros((capacity, num_columns), np.int32)

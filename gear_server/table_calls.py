@@ -37,24 +37,23 @@ T = TypeVar("T")
 class JoinedSelection:
     """Several selections of one call as one: item i of the joined arrays, every part's lease."""
 
+    _ARRAYS = ("slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities",
+               "times_sampled")
+
     def __init__(self, parts: Sequence[Selection]):
         self.parts = list(parts)
         first = parts[0]
-        if len(parts) == 1:
-            join = lambda name: getattr(first, name)  # noqa: E731
+        if len(parts) == 1:  # the common case, on every Select: the part's own arrays
+            for name in self._ARRAYS:
+                setattr(self, name, getattr(first, name))
+            self.layout_version = first.layout_version
+            self.lease_ids = [first.lease_id]
         else:
-            join = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
-        self.slots = join("slots")
-        self.generations = join("generations")
-        self.lengths = join("lengths")
-        self.keys = join("keys")
-        self.probabilities = join("probabilities")
-        self.table_sizes = join("table_sizes")
-        self.priorities = join("priorities")
-        self.times_sampled = join("times_sampled")
-        # A later part saw the newer layout; a growth copies every slot, so earlier refs hold in it.
-        self.layout_version = max(p.layout_version for p in parts)
-        self.lease_ids = [p.lease_id for p in parts]
+            for name in self._ARRAYS:
+                setattr(self, name, np.concatenate([getattr(p, name) for p in parts]))
+            # A later part saw the newer layout; a growth copies every slot, so earlier refs hold in it.
+            self.layout_version = max(p.layout_version for p in parts)
+            self.lease_ids = [p.lease_id for p in parts]
         self.lease_id = first.lease_id  # reading the joined slots checks one lease: all are held alike
 
     def __len__(self) -> int:

@@ -25,6 +25,7 @@ from grpc import aio
 
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.wire import encode_tensor_fields
 from gear_server.data_planes.offers import gpu_off_reason, plane_report
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
@@ -179,7 +180,7 @@ class DataPlaneManager:
         return response
 
     async def select(self, request: pb.SelectRequest, context: aio.ServicerContext,
-                     calls: TableCalls | None = None) -> pb.SelectResponse:
+                     calls: TableCalls | None = None, *, serialized: bool = False) -> pb.SelectResponse | bytes:
         """Lease ``num_samples`` items (fewer only if the timeout passes after some were picked).
 
         Waits on the table's rate limiter like the Sample RPC; gives up (CANCELLED)
@@ -187,6 +188,7 @@ class DataPlaneManager:
         further batches of ``num_samples`` follow in the same answer as long as the
         rate limiter allows them at once (each batch its own lease). ``calls``: where
         the table work runs (default the daemon's pool; the local lane runs it inline).
+        ``serialized``: the answer as its serialized bytes (``encode_select_response``: the local lane's).
         """
         calls = calls if calls is not None else self.calls
         session = await self._session(request.session_id, context)
@@ -243,7 +245,7 @@ class DataPlaneManager:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
             lease_ids.append(lease_id)
         joined = picked[0] if len(picked) == 1 else JoinedSelection([p for s in picked for p in s.parts])
-        response = build_packed_select_response(joined, lease_ids[0])
+        response = pb.SelectResponse(layout_version=int(joined.layout_version), lease_id=int(lease_ids[0]))
         if batches > 1:
             response.batch_lease_ids.extend(lease_ids)
             response.batch_sizes.extend(len(s) for s in picked)
@@ -254,6 +256,9 @@ class DataPlaneManager:
             except OSError as exc:
                 self.sessions.release(session, lease_ids)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if serialized:
+            return encode_select_response(response, joined)
+        fill_select_tensors(response, joined)
         return response
 
     def _send_layout(self, session: Session, table: Table, response: pb.SelectResponse,
@@ -285,26 +290,40 @@ class DataPlaneManager:
         return pb.CloseDataPlaneResponse()
 
 
-def _fill_tensor(tensor: pb.Tensor, array: np.ndarray, dtype: str) -> None:
-    """Write ``array`` as ``dtype`` into the response's own ``tensor`` (set in place: a Tensor built apart
-    and then assigned is copied once more; ``tobytes`` packs a strided array in the same one copy)."""
-    wanted = np.dtype(dtype)
-    a = array if array.dtype == wanted else array.astype(wanted)
-    tensor.dtype = wanted.str
-    tensor.shape.extend(a.shape)
-    tensor.data = a.tobytes()
+# The per-item fields of a SelectResponse: (field, wire dtype), item i at index i of each.
+SELECT_TENSORS = (("slots", "<i8"), ("generations", "<u8"), ("lengths", "<i4"), ("keys", "<u8"),
+                  ("probabilities", "<f8"), ("table_sizes", "<i8"), ("priorities", "<f8"), ("times_sampled", "<i4"))
+_WIRE_DTYPES = {name: np.dtype(dtype) for name, dtype in SELECT_TENSORS}
 
 
-def build_packed_select_response(selection: JoinedSelection, lease_id: int) -> pb.SelectResponse:
-    """Every per-item field of the selection as one raw little-endian array (item i at index i)."""
-    n = len(selection.slots)
-    response = pb.SelectResponse(layout_version=int(selection.layout_version), lease_id=int(lease_id))
-    _fill_tensor(response.slots, selection.slots, "<i8")
-    _fill_tensor(response.generations, selection.generations, "<u8")
-    _fill_tensor(response.lengths, np.asarray(selection.lengths).reshape(n, -1), "<i4")
-    _fill_tensor(response.keys, selection.keys, "<u8")
-    _fill_tensor(response.probabilities, selection.probabilities, "<f8")
-    _fill_tensor(response.table_sizes, selection.table_sizes, "<i8")
-    _fill_tensor(response.priorities, selection.priorities, "<f8")
-    _fill_tensor(response.times_sampled, selection.times_sampled, "<i4")
-    return response
+def _select_arrays(selection: JoinedSelection) -> list[tuple[str, np.ndarray]]:
+    """(field, array in its wire dtype) of every per-item field of ``selection`` (lengths as [n, C])."""
+    out = []
+    for name, dtype in _WIRE_DTYPES.items():
+        a = getattr(selection, name)
+        if name == "lengths":
+            a = np.asarray(a).reshape(len(selection.slots), -1)
+        if a.dtype != dtype:
+            a = a.astype(dtype)
+        out.append((name, a))
+    return out
+
+
+def fill_select_tensors(response: pb.SelectResponse, selection: JoinedSelection) -> None:
+    """Every per-item field of the selection into ``response`` as one raw little-endian array (item i at index i).
+
+    Each is set in the response's own Tensor (one built apart and then assigned is copied once
+    more; ``tobytes`` packs a strided array in the same one copy).
+    """
+    for name, a in _select_arrays(selection):
+        tensor = getattr(response, name)
+        tensor.dtype = a.dtype.str
+        tensor.shape.extend(a.shape)
+        tensor.data = a.tobytes()
+
+
+def encode_select_response(head: pb.SelectResponse, selection: JoinedSelection) -> bytes:
+    """``head`` (every field but the per-item ones) serialized, then the selection's per-item fields framed
+    by hand (``wire.encode_tensor_fields``): the bytes of ``head`` after ``fill_select_tensors``, its arrays
+    copied once instead of into the message and again out of it."""
+    return encode_tensor_fields(pb.SelectResponse, _select_arrays(selection), head.SerializeToString())

@@ -270,9 +270,13 @@ def generations_unchanged(table: Any, slots: np.ndarray, generations: np.ndarray
     if current is None:
         return True
     slots = np.asarray(slots, dtype=np.int64)
-    if slots.size and int(slots.max()) >= len(current):
+    if len(slots) != len(generations):
         return False
-    return len(slots) == len(generations) and bool((current[slots] == generations).all())
+    try:
+        now = current[slots]
+    except IndexError:  # a slot past the table's capacity
+        return False
+    return bool((now == generations).all())
 
 
 def _release_table_leases(table: Any, lease_ids: Iterable[int]) -> None:

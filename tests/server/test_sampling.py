@@ -145,6 +145,30 @@ def test_count_picks_matches_one_by_one_samples(mts, known):
         assert not meta.leases.any()
 
 
+def test_count_picks_adds_to_leases_and_counts_already_held():
+    """times_sampled and leases are written back as one pair per slot: slots already leased (by other
+    selections) and sampled many times keep both counts exact, each field alone."""
+    gen = np.random.default_rng(7)
+    capacity = 64
+    meta = ItemMetadata(capacity, 2)
+    meta.times_sampled[:] = gen.integers(0, 2**31 - 100, capacity)
+    meta.leases[:] = gen.integers(0, 1000, capacity)
+    meta.key[:] = np.arange(capacity, dtype=np.uint64) + 7
+    meta.generation[:] = 2**63 + np.arange(capacity, dtype=np.uint64)
+    leases, times, generations = meta.leases.copy(), meta.times_sampled.copy(), meta.generation.copy()
+    slots = gen.integers(0, capacity, 200)
+    picks = count_picks(meta, slots, gen.random(200), 0, capacity, find_repeats(slots))
+    per_slot = np.bincount(slots, minlength=capacity)
+    np.testing.assert_array_equal(meta.times_sampled, times + per_slot)
+    np.testing.assert_array_equal(meta.leases, leases + per_slot)
+    np.testing.assert_array_equal(meta.generation, generations)
+    assert picks.chunk[5].tolist() == one_by_one(times, slots, 0)[0]
+    book = SlotBook(capacity, 2)
+    book.meta = meta
+    book.unlease(picks.held)
+    np.testing.assert_array_equal(meta.leases, leases)
+    np.testing.assert_array_equal(meta.times_sampled, times + per_slot)
+
 def test_held_of_counts_every_pick():
     slots = np.array([5, 2, 5, 9, 5, 2], np.int64)
     book = SlotBook(16, 1)
