@@ -227,14 +227,16 @@ class ShardedClient:
         self._raise_first(targets, results, "mutate_priorities")
 
     def reset(self, table: str) -> None:
-        """Empty the table on every shard; ServiceError naming the shards that could not be reached."""
+        """Empty the table on every shard; ServiceError naming the shards that could not be reached (or
+        stopped answering: ``ShardSet.map_watched``)."""
         shards = self.shard_set.shards
-        self._raise_first(shards, self.shard_set.map(lambda s: s.client.reset(table), shards), "reset")
+        self._raise_first(shards, self.shard_set.map_watched(lambda s: s.client.reset(table), shards), "reset")
 
     def checkpoint(self) -> str:
-        """Have every shard write a checkpoint; their paths, comma-separated in shard order."""
+        """Have every shard write a checkpoint; their paths, comma-separated in shard order. ServiceError
+        naming the shards that could not be reached or stopped answering (``ShardSet.map_watched``)."""
         shards = self.shard_set.shards
-        results = self.shard_set.map(lambda s: s.client.checkpoint(), shards)
+        results = self.shard_set.map_watched(lambda s: s.client.checkpoint(), shards)
         self._raise_first(shards, results, "checkpoint")
         return ",".join(results)
 

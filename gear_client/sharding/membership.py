@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from gear_client import errors
 from gear_client.sharding.owners import KeyOwners
 from gear_contract._proto import replay_pb2 as pb
 
@@ -201,6 +202,36 @@ class ShardSet:
                 out.append(job.result())
             except Exception as exc:  # noqa: BLE001
                 out.append(exc)
+        return out
+
+    def map_watched(self, fn: Callable[[Shard], Any], shards: Iterable[Shard]) -> list[Any]:
+        """``map`` for calls that may rightly take long (a checkpoint): a call still running after
+        ``timeout_s`` has its shard asked for ServerInfo, and one that does not answer either is cut off
+        (its result a ServiceError of code DEADLINE_EXCEEDED, the shard marked down), so a hung node stalls nothing for
+        more than about twice ``timeout_s``; calls of shards that answer are waited for."""
+        shards = list(shards)
+        jobs = {self._pool.submit(fn, s): i for i, s in enumerate(shards)}
+        out: list[Any] = [None] * len(shards)
+        running = set(jobs)
+        while running:
+            done, running = futures.wait(running, timeout=self.timeout_s)
+            for job in done:
+                try:
+                    out[jobs[job]] = job.result()
+                except Exception as exc:  # noqa: BLE001 - returned to the caller
+                    out[jobs[job]] = exc
+            if not running:
+                break
+            waiting = sorted(running, key=jobs.__getitem__)
+            answers = self.map(lambda s: s.server_info(self.timeout_s), [shards[jobs[j]] for j in waiting])
+            for job, answer in zip(waiting, answers, strict=True):
+                if isinstance(answer, BaseException) and is_unreachable(answer) and not job.done():
+                    shard = shards[jobs[job]]
+                    error = errors.ServiceError(f"stopped answering during the call ({_describe(answer)})",
+                                                grpc.StatusCode.DEADLINE_EXCEEDED)
+                    self.mark_down(shard, error)
+                    out[jobs[job]] = error
+                    running.discard(job)  # left to finish (or fail) in the pool on its own
         return out
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> futures.Future:

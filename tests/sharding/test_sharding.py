@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -496,4 +497,29 @@ def test_a_queue_over_shards_takes_what_each_shard_holds(cluster):
         client.close()
         for c in direct:
             c.reset("queue")
+            c.close()
+
+
+def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
+    """A shard that holds its connections but answers nothing (SIGSTOP): checkpoint() and reset() end after
+    about twice the shard timeout with a ServiceError naming it, the others' work done and the shard down."""
+    direct = [reverb.Client(a) for a in cluster.addresses]
+    for shard, c in enumerate(direct):
+        c.insert({"id": np.int64(7000 + shard)}, priorities={"events": 1.0})
+    client = _sharded(cluster, shard_timeout_s=1.0, shard_retry_s=0.3)
+    try:
+        client.server_info()  # every shard up and connected
+        cluster.pause(1, True)
+        for call in (client.checkpoint, lambda: client.reset("events")):
+            start = time.monotonic()
+            with pytest.raises(reverb.errors.ServiceError, match=cluster.addresses[1]):
+                call()
+            assert time.monotonic() - start < 6.0
+        assert not client.shards()[1].up
+        assert [direct[i].server_info()["events"].current_size for i in (0, 2)] == [0, 0]
+    finally:
+        cluster.pause(1, False)
+        client.close()
+        for c in direct:
+            c.reset("events")
             c.close()
