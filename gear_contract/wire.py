@@ -12,6 +12,7 @@ piece through protobuf's own parser.
 from __future__ import annotations
 
 import functools
+import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -256,8 +257,9 @@ def encode_priority_updates(table: str, updates: Mapping[Any, Any] | None, delet
     if len(updates) + len(dropped) < HAND_ENCODE_MIN_UPDATES:
         try:
             return pb.MutatePrioritiesRequest(
-                table=table, updates=[pb.KeyWithPriority(key=int(k), priority=float(p)) for k, p in updates.items()],
-                delete_keys=[int(k) for k in dropped]).SerializeToString()
+                table=table, updates=[pb.KeyWithPriority(key=operator.index(k), priority=float(p))
+                                      for k, p in updates.items()],
+                delete_keys=[operator.index(k) for k in dropped]).SerializeToString()
         except (TypeError, ValueError, OverflowError):
             _explain_bad_update(updates, dropped)
             raise
@@ -274,9 +276,9 @@ def priority_arrays(updates: Mapping[Any, Any] | None, deletes: Iterable[Any] | 
     dropped = list(deletes) if deletes is not None else []
     n = len(updates)
     try:
-        return (np.fromiter(map(int, updates.keys()), np.uint64, n),
+        return (np.fromiter(map(operator.index, updates.keys()), np.uint64, n),
                 np.fromiter(map(float, updates.values()), np.float64, n),
-                np.fromiter(map(int, dropped), np.uint64, len(dropped)))
+                np.fromiter(map(operator.index, dropped), np.uint64, len(dropped)))
     except (TypeError, ValueError, OverflowError):
         _explain_bad_update(updates, dropped)
         raise
@@ -286,7 +288,7 @@ def _explain_bad_update(updates: Mapping[Any, Any], deletes: Iterable[Any] | Non
     """Raise ValueError naming the entry ``priority_arrays`` could not convert (returns if none)."""
     for what, key in [*(("key", k) for k in updates), *(("delete key", k) for k in (deletes or ()))]:
         try:
-            if not 0 <= int(key) < 1 << 64:
+            if not 0 <= operator.index(key) < 1 << 64:
                 raise OverflowError
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"{what} {key!r} is not an integer in [0, 2**64)") from None

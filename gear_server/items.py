@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.priorities import check_priority
 
 # Structure nesting deeper than this is refused (a request must not exhaust the stack).
 MAX_STRUCTURE_DEPTH = 64
@@ -119,21 +120,6 @@ def leaf_paths(structure: pb.Structure) -> list[str]:
     return [p or f"leaf{i}" for i, p in enumerate(out)]
 
 
-def check_priority(priority: float, what: str = "priority") -> float:
-    """A valid priority as float: finite and >= 0 (ValueError otherwise)."""
-    try:
-        value = float(priority)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be a number, got {priority!r}") from e
-    if math.isnan(value):
-        raise ValueError(f"{what} is NaN")
-    if value < 0:
-        raise ValueError(f"{what} is negative: must be >= 0, got {value}")
-    if math.isinf(value):
-        raise ValueError(f"{what} must be finite, got {value}")
-    return value + 0.0  # -0.0 -> 0.0
-
-
 def priority_updates(updates: Mapping[int, float] | Iterable[tuple[int, float]] | None
                      ) -> tuple[list[int], np.ndarray]:
     """(keys, priorities float64) of a priority update, as given (``check_priorities`` checks them)."""
@@ -144,16 +130,6 @@ def priority_updates(updates: Mapping[int, float] | Iterable[tuple[int, float]] 
         return keys, np.fromiter(updates.values(), np.float64, len(keys))
     pairs = list(updates)
     return [k for k, _ in pairs], np.array([float(p) for _, p in pairs], np.float64)
-
-
-def check_priorities(keys: Sequence[int], priorities: np.ndarray) -> np.ndarray:
-    """``priorities`` (float64) with -0.0 as 0.0; ValueError naming the first key whose new priority is
-    NaN, negative or infinite."""
-    if priorities.size and not (priorities.min() >= 0.0 and priorities.max() < math.inf):  # NaN fails both
-        bad = np.flatnonzero(~np.isfinite(priorities) | (priorities < 0))
-        i = int(bad[0])
-        check_priority(priorities[i], f"new priority of key {keys[i]}")
-    return priorities + 0.0
 
 
 # --------------------------------------------------------------------------- items

@@ -46,13 +46,13 @@ import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
+from gear_contract.priorities import check_priorities
 from gear_kernels.twins import last_occurrences
 from gear_server import table_insert, table_reserve, table_sample
 from gear_server.item_groups import ItemGroup
 from gear_server.items import (
     ItemToInsert,
     ReservedItem,
-    check_priorities,
     count_leaves,
     leaf_paths,
     priority_updates,

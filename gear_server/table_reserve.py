@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gear_contract.layout import TableLayout
-from gear_server.items import PreparedItem, ReservedItem, check_key, check_priority
+from gear_contract.priorities import check_priority
+from gear_server.items import PreparedItem, ReservedItem, check_key
 from gear_server.layout_fitting import next_capacity, regrow
 from gear_server.rate_limiter import deadline_after
 from gear_server.table_core import Abandoned, TableCore

@@ -48,6 +48,7 @@ from gear_client.sharding.selection import sum_table_infos
 from gear_client.table_info import TableInfo
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.priorities import check_priorities
 from gear_contract.wire import priority_arrays
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class ShardedClient:
         ValueError naming the first key or priority that is not one (nothing is sent), as one daemon's client.
         """
         keys, priorities, dropped = priority_arrays(updates, deletes)
+        check_priorities(keys, priorities)  # one daemon's ValueError, before anything is sent
         live = self.shard_set.live()
         owners = self.shard_set.key_owners
         update_owner, delete_owner = owners.owners(keys), owners.owners(dropped)

@@ -272,7 +272,7 @@ def test_mutate_and_delete_reach_the_owning_shard(cluster):
     _refill_uni(cluster)
 
 
-@pytest.mark.parametrize("bad", [-1, 2**64])
+@pytest.mark.parametrize("bad", [-1, 2**64, 1.5])
 def test_mutate_with_a_key_that_is_not_one_names_it_and_changes_nothing(cluster, bad):
     client = _sharded(cluster, seed=1)
     try:
@@ -282,6 +282,20 @@ def test_mutate_with_a_key_that_is_not_one_names_it_and_changes_nothing(cluster,
             client.mutate_priorities("prio", updates={key: 50.0, bad: 1.0})
         with pytest.raises(ValueError, match=str(bad)):
             client.mutate_priorities("prio", deletes=[bad])
+        assert _masses(cluster, "prio") == before
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("bad", "says"), [(float("nan"), "is NaN"), (-2.0, "is negative"),
+                                           (float("inf"), "must be finite")])
+def test_mutate_with_a_bad_priority_is_one_daemons_value_error_and_changes_nothing(cluster, bad, says):
+    client = _sharded(cluster, seed=1)
+    try:
+        key = int(client.sampler("prio").sample(1).keys[0])
+        before = _masses(cluster, "prio")
+        with pytest.raises(ValueError, match=f"new priority of key 7 {says}"):
+            client.mutate_priorities("prio", updates={key: 50.0, 7: bad})
         assert _masses(cluster, "prio") == before
     finally:
         client.close()
