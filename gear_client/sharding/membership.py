@@ -165,7 +165,9 @@ class ShardSet:
             start += len(group)
             answered = [(s, a) for s, a in zip(members, replies, strict=True) if isinstance(a, pb.ServerInfoResponse)]
             if not answered:  # nothing answers yet: one shard, down until it does
-                self._set_down(members[0], replies[0], first=True)
+                self._set_down(members[0], self._cause(members[0], replies[0]), first=True)
+                log.warning("shard %s does not answer (%s): down until it does; its items are not sampled and "
+                            "inserts go to the others", members[0].address, members[0].last_error)
                 shards.append(members[0])
                 for extra in members[1:]:
                     extra.client.close()
@@ -186,6 +188,18 @@ class ShardSet:
         for i, shard in enumerate(shards):
             shard.index = i
         return shards
+
+    def _cause(self, shard: Shard, error: BaseException) -> BaseException:
+        """Why a daemon did not answer a call that waited for it: a wait that timed out says only
+        DEADLINE_EXCEEDED, so one call that fails fast is made for the reason (e.g. connection refused)."""
+        code = getattr(error, "code", None)
+        if not (callable(code) and code() == grpc.StatusCode.DEADLINE_EXCEEDED):
+            return error
+        try:
+            shard.server_info(self.timeout_s)
+        except grpc.RpcError as exc:
+            return exc
+        return error
 
     def map(self, fn: Callable[[Shard], Any], shards: Iterable[Shard]) -> list[Any]:
         """``fn(shard)`` for each shard in parallel; each result or the exception it raised."""

@@ -537,3 +537,19 @@ def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
         for c in direct:
             c.reset("events")
             c.close()
+
+
+def test_an_address_down_at_start_is_a_down_shard_with_a_warning_and_its_cause(cluster, caplog):
+    from tests.ops._support import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING, logger="gear_client.sharding"):
+        client = reverb.Client([*cluster.addresses, nobody], shard_timeout_s=0.5)
+    try:
+        state = client.shards()[-1]
+        assert state.address == nobody and not state.up and state.failures == 1
+        assert "UNAVAILABLE" in state.last_error, state.last_error  # the reason, not the wait's deadline
+        assert any(nobody in r.getMessage() and "does not answer" in r.getMessage() for r in caplog.records)
+        assert [s.up for s in client.server_info()["uni"].shards] == [True] * NUM_SHARDS + [False]
+    finally:
+        client.close()
