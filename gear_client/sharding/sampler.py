@@ -119,10 +119,12 @@ class ShardedSampler:
             return sampler
 
     def _forget_sampler(self, shard: Shard) -> None:
+        """Drop the shard's sampler; it is closed in the background (its session's CloseDataPlane waits up
+        to 5 s on a daemon that stopped answering: never on the caller's path)."""
         with self._lock:
             sampler = self._samplers.pop(shard.index, None)
         if sampler is not None:
-            sampler.close()
+            self.shards.submit(sampler.close)
 
     @property
     def kind(self) -> str | None:

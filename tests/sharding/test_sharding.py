@@ -553,3 +553,22 @@ def test_an_address_down_at_start_is_a_down_shard_with_a_warning_and_its_cause(c
         assert [s.up for s in client.server_info()["uni"].shards] == [True] * NUM_SHARDS + [False]
     finally:
         client.close()
+
+
+def test_sampling_past_a_hung_shard_waits_one_shard_timeout(cluster):
+    """A shard that stops answering (SIGSTOP) while its session is open: the next batch comes from the
+    others after about ``shard_timeout_s`` (its mass query times out), not after its session's close too."""
+    client = _sharded(cluster, seed=SEED, shard_timeout_s=1.0, shard_retry_s=0.3)
+    try:
+        sampler = client.sampler("uni")
+        sampler.sample(64)  # a data-plane session open on shard 0 (this host's: shm)
+        assert sampler.kinds()[cluster.addresses[0]] == "shm"
+        cluster.pause(0, True)
+        start = time.monotonic()
+        batch = sampler.sample(8)
+        assert time.monotonic() - start < 2.5
+        assert len(batch) == 8 and not client.shards()[0].up
+        assert _ids(batch).min() >= SIZES[0], "the hung shard's items were sampled"
+    finally:
+        cluster.pause(0, False)
+        client.close()
