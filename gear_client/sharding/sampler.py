@@ -95,6 +95,8 @@ class ShardedSampler:
         self._lock = threading.RLock()
         self._samplers: dict[int, PlaneSampler] = {}
         self._policy: Policy | None = None
+        self._config: tuple[str, bytes] | None = None  # (shard address, table configuration) first seen
+        self._config_checked: set[int] = set()  # shards whose configuration matched it (until they rejoin)
         self.weights_max_age_s = float(weights_max_age_s)
         self._weights: tuple[float, Policy, dict[int, ShardWeight]] | None = None  # (when, policy, weights)
         self.closed = False
@@ -123,6 +125,7 @@ class ShardedSampler:
         to 5 s on a daemon that stopped answering: never on the caller's path)."""
         with self._lock:
             sampler = self._samplers.pop(shard.index, None)
+            self._config_checked.discard(shard.index)  # a restarted daemon may have a new configuration
         if sampler is not None:
             self.shards.submit(sampler.close)
 
@@ -170,6 +173,8 @@ class ShardedSampler:
             for info in answer.table_info:
                 if info.name == self.table:
                     missing = False
+                    if shard.index not in self._config_checked:
+                        self._check_config(shard, info)
                     if policy is None:
                         policy = self._policy = Policy.of(info.sampler_options, info.max_times_sampled)
                     weights[shard.index] = ShardWeight.of(shard.index, info)
@@ -181,6 +186,21 @@ class ShardedSampler:
             if missing:
                 raise RuntimeError(f"table '{self.table}' is not on any shard")
         return policy, weights
+
+    def _check_config(self, shard: Shard, info: pb.TableInfo) -> None:
+        """ValueError when the shard's table is configured otherwise (sampler, max_times_sampled, signature)
+        than the first shard's seen: one table's semantics need every daemon's table alike."""
+        config = pb.TableInfo(sampler_options=info.sampler_options, max_times_sampled=info.max_times_sampled,
+                              signature=info.signature if info.HasField("signature") else None
+                              ).SerializeToString(deterministic=True)
+        with self._lock:
+            if self._config is None:
+                self._config = (shard.address, config)
+            elif self._config[1] != config:
+                raise ValueError(f"table '{self.table}' is configured differently on shard {shard.address} than "
+                                 f"on {self._config[0]} (sampler, max_times_sampled or signature); configure "
+                                 f"every daemon's table alike")
+            self._config_checked.add(shard.index)
 
     def table_info(self) -> pb.TableInfo:
         """The table's global TableInfo (sizes and counters summed over the live shards)."""

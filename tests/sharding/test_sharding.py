@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -572,3 +573,37 @@ def test_sampling_past_a_hung_shard_waits_one_shard_timeout(cluster):
     finally:
         cluster.pause(0, False)
         client.close()
+
+
+def test_a_table_configured_differently_on_a_shard_is_refused_by_name(tmp_path):
+    """Two daemons whose table "t" differs (item shape 3 against 4): the sharded sampler refuses it with a
+    ValueError naming the odd shard at its first split, before any batch could mix the two."""
+    from tests.ops._support import DaemonProcess
+
+    daemons = []
+    try:
+        for i, width in enumerate((3, 4)):
+            config = f'''
+bind_address = "127.0.0.1"
+port = 0
+instance_name = "oddshard{os.getpid()}s{i}"
+[[tables]]
+name = "t"
+sampler = "uniform"
+remover = "fifo"
+max_size = 10
+rate_limiter = {{ min_size = 1 }}
+[tables.signature]
+x = {{ dtype = "float32", shape = [{width}] }}
+'''
+            daemons.append(DaemonProcess(tmp_path, config, name=f"odd{i}"))
+        addresses = [f"127.0.0.1:{d.wait_ready()}" for d in daemons]
+        client = reverb.Client(addresses)
+        try:
+            with pytest.raises(ValueError, match=f"configured differently on shard {addresses[1]}"):
+                client.sampler("t").sample(1, timeout=5)
+        finally:
+            client.close()
+    finally:
+        for d in daemons:
+            d.stop()
