@@ -460,7 +460,9 @@ class ShardedSampler:
                 try:
                     if stream is None:
                         raise StreamError("the shard left")
-                    got, missing = stream.take(n, self.shards.timeout_s)
+                    wait = self.shards.timeout_s if deadline is None else \
+                        max(0.0, min(self.shards.timeout_s, deadline - time.monotonic()))
+                    got, missing = stream.take(n, wait)
                 except StreamError as exc:
                     cause = exc.__cause__ or exc
                     if self.closed:

@@ -575,29 +575,51 @@ def test_sampling_past_a_hung_shard_waits_one_shard_timeout(cluster):
         client.close()
 
 
-def test_a_table_configured_differently_on_a_shard_is_refused_by_name(tmp_path):
-    """Two daemons whose table "t" differs (item shape 3 against 4): the sharded sampler refuses it with a
-    ValueError naming the odd shard at its first split, before any batch could mix the two."""
+def _daemons(tmp_path, tables: list[str]) -> tuple[list, list[str]]:
+    """One daemon per table text (TOML of its [[tables]]), started; (processes, addresses)."""
     from tests.ops._support import DaemonProcess
 
     daemons = []
+    for i, table in enumerate(tables):
+        config = f'bind_address = "127.0.0.1"\nport = 0\ninstance_name = "extra{os.getpid()}s{i}"\n{table}'
+        daemons.append(DaemonProcess(tmp_path, config, name=f"extra{i}"))
+    return daemons, [f"127.0.0.1:{d.wait_ready()}" for d in daemons]
+
+
+def test_read_ahead_held_by_a_shards_min_size_ends_at_the_timeout(tmp_path):
+    """MinSize(5) on each shard, 5 items on one and 2 on the other: the second holds its part, so read-ahead
+    batches asked with a 1 s timeout end with DeadlineExceededError after about 1 s, not the shard timeout."""
+    table = '[[tables]]\nname = "m"\nsampler = "uniform"\nremover = "fifo"\nmax_size = 10\n' \
+            'rate_limiter = { min_size = 5 }\n'
+    daemons, addresses = _daemons(tmp_path, [table, table])
     try:
-        for i, width in enumerate((3, 4)):
-            config = f'''
-bind_address = "127.0.0.1"
-port = 0
-instance_name = "oddshard{os.getpid()}s{i}"
-[[tables]]
-name = "t"
-sampler = "uniform"
-remover = "fifo"
-max_size = 10
-rate_limiter = {{ min_size = 1 }}
-[tables.signature]
-x = {{ dtype = "float32", shape = [{width}] }}
-'''
-            daemons.append(DaemonProcess(tmp_path, config, name=f"odd{i}"))
-        addresses = [f"127.0.0.1:{d.wait_ready()}" for d in daemons]
+        for address, n in zip(addresses, (5, 2), strict=True):
+            direct = reverb.Client(address)
+            for i in range(n):
+                direct.insert({"id": np.int64(i)}, priorities={"m": 1.0})
+        client = reverb.Client(addresses, shard_timeout_s=5.0)
+        try:
+            batches = client.sampler("m").batches(64, timeout=1.0)
+            start = time.monotonic()
+            with pytest.raises(reverb.errors.DeadlineExceededError):
+                next(batches)
+            assert time.monotonic() - start < 3.0
+            batches.close()
+        finally:
+            client.close()
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def test_a_table_configured_differently_on_a_shard_is_refused_by_name(tmp_path):
+    """Two daemons whose table "t" differs (item shape 3 against 4): the sharded sampler refuses it with a
+    ValueError naming the odd shard at its first split, before any batch could mix the two."""
+    tables = [f'[[tables]]\nname = "t"\nsampler = "uniform"\nremover = "fifo"\nmax_size = 10\n'
+              f'rate_limiter = {{ min_size = 1 }}\n[tables.signature]\nx = {{ dtype = "float32", shape = [{w}] }}\n'
+              for w in (3, 4)]
+    daemons, addresses = _daemons(tmp_path, tables)
+    try:
         client = reverb.Client(addresses)
         try:
             with pytest.raises(ValueError, match=f"configured differently on shard {addresses[1]}"):
