@@ -54,6 +54,13 @@ def _ids(batch) -> np.ndarray:
     return np.asarray(batch.columns[0]).reshape(len(batch), -1)[:, 0].astype(np.int64)
 
 
+def _reset_and_close(clients: list, table: str) -> None:
+    """Empty ``table`` through each of ``clients`` (one per shard) and close them."""
+    for client in clients:
+        client.reset(table)
+        client.close()
+
+
 def _sharded(c: Cluster, **kwargs) -> ShardedClient:
     client = reverb.Client(c.addresses, **kwargs)
     assert isinstance(client, ShardedClient)
@@ -490,9 +497,7 @@ def test_a_part_waiting_on_a_hung_shard_is_taken_from_the_others(cluster, caplog
     finally:
         cluster.pause(2, False)
         sharded.close()
-        for client in direct:
-            client.reset("gate")
-            client.close()
+        _reset_and_close(direct, "gate")
 
 
 def test_a_queue_over_shards_takes_what_each_shard_holds(cluster):
@@ -510,9 +515,7 @@ def test_a_queue_over_shards_takes_what_each_shard_holds(cluster):
             assert [c.server_info()["queue"].current_size for c in direct] == [0] * NUM_SHARDS
     finally:
         client.close()
-        for c in direct:
-            c.reset("queue")
-            c.close()
+        _reset_and_close(direct, "queue")
 
 
 def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
@@ -535,9 +538,7 @@ def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
     finally:
         cluster.pause(1, False)
         client.close()
-        for c in direct:
-            c.reset("events")
-            c.close()
+        _reset_and_close(direct, "events")
 
 
 def test_an_address_down_at_start_is_a_down_shard_with_a_warning_and_its_cause(cluster, caplog):
