@@ -532,7 +532,7 @@ def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
             start = time.monotonic()
             with pytest.raises(reverb.errors.ServiceError, match=cluster.addresses[1]):
                 call()
-            assert time.monotonic() - start < 6.0
+            assert time.monotonic() - start < 10.0  # a hung call waited forever
         assert not client.shards()[1].up
         assert [direct[i].server_info()["events"].current_size for i in (0, 2)] == [0, 0]
     finally:
@@ -568,7 +568,7 @@ def test_sampling_past_a_hung_shard_waits_one_shard_timeout(cluster):
         cluster.pause(0, True)
         start = time.monotonic()
         batch = sampler.sample(8)
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 4.0  # the session's close alone waited 5 s
         assert len(batch) == 8 and not client.shards()[0].up
         assert _ids(batch).min() >= SIZES[0], "the hung shard's items were sampled"
     finally:
@@ -604,7 +604,7 @@ def test_read_ahead_held_by_a_shards_min_size_ends_at_the_timeout(tmp_path):
             start = time.monotonic()
             with pytest.raises(reverb.errors.DeadlineExceededError):
                 next(batches)
-            assert time.monotonic() - start < 3.0
+            assert time.monotonic() - start < 4.0  # the shard timeout is 5 s
             batches.close()
         finally:
             client.close()
