@@ -257,13 +257,27 @@ def encode_priority_updates(table: str, updates: Mapping[Any, Any] | None, delet
     if len(updates) + len(dropped) < HAND_ENCODE_MIN_UPDATES:
         try:
             return pb.MutatePrioritiesRequest(
-                table=table, updates=[pb.KeyWithPriority(key=operator.index(k), priority=float(p))
+                table=table, updates=[pb.KeyWithPriority(key=_as_key(k), priority=float(p))
                                       for k, p in updates.items()],
-                delete_keys=[operator.index(k) for k in dropped]).SerializeToString()
+                delete_keys=[_as_key(k) for k in dropped]).SerializeToString()
         except (TypeError, ValueError, OverflowError):
             _explain_bad_update(updates, dropped)
             raise
     return encode_mutate_priorities(table, *priority_arrays(updates, dropped))
+
+
+def _as_key(key: Any) -> int:
+    """An item key as int: an integer, or a float of integral value (5.0); TypeError / ValueError for
+    anything else (1.5 is not taken as 1, nor "5" as 5)."""
+    try:
+        return operator.index(key)
+    except TypeError:
+        if isinstance(key, (str, bytes)):
+            raise
+        value = float(key)
+        if not value.is_integer():
+            raise ValueError(f"{key!r} is not integral") from None
+        return int(value)
 
 
 def priority_arrays(updates: Mapping[Any, Any] | None, deletes: Iterable[Any] | None
@@ -276,9 +290,9 @@ def priority_arrays(updates: Mapping[Any, Any] | None, deletes: Iterable[Any] | 
     dropped = list(deletes) if deletes is not None else []
     n = len(updates)
     try:
-        return (np.fromiter(map(operator.index, updates.keys()), np.uint64, n),
+        return (np.fromiter(map(_as_key, updates.keys()), np.uint64, n),
                 np.fromiter(map(float, updates.values()), np.float64, n),
-                np.fromiter(map(operator.index, dropped), np.uint64, len(dropped)))
+                np.fromiter(map(_as_key, dropped), np.uint64, len(dropped)))
     except (TypeError, ValueError, OverflowError):
         _explain_bad_update(updates, dropped)
         raise
@@ -288,7 +302,7 @@ def _explain_bad_update(updates: Mapping[Any, Any], deletes: Iterable[Any] | Non
     """Raise ValueError naming the entry ``priority_arrays`` could not convert (returns if none)."""
     for what, key in [*(("key", k) for k in updates), *(("delete key", k) for k in (deletes or ()))]:
         try:
-            if not 0 <= operator.index(key) < 1 << 64:
+            if not 0 <= _as_key(key) < 1 << 64:
                 raise OverflowError
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"{what} {key!r} is not an integer in [0, 2**64)") from None
