@@ -73,6 +73,8 @@ class TrajectoryWriter:
         self._client = client
         self._keep = int(num_keep_alive_refs)
         self._validate_items = bool(validate_items)
+        # the legacy Writer's tables: a signature may describe one step of an item (as Reverb's Writer takes)
+        self.step_signatures = False
         self._max_in_flight = int(max_in_flight_items)
         self._max_in_flight_bytes = int(max_in_flight_bytes)
         self._reconnect_timeout_s = _reconnect_timeout(reconnect_timeout_s, client)
@@ -336,11 +338,11 @@ class TrajectoryWriter:
         cache_key = (table, tuple((dt.str, shape) for dt, shape in specs))
         if cache_key in self._validated:
             return
-        problem = _signature_problem(table, self._table_info(table), specs)
+        problem = _signature_problem(table, self._table_info(table), specs, self.step_signatures)
         if problem is not None:
             # The cached info may be stale (e.g. the server at this address was
             # restarted with other tables): look again before refusing.
-            problem = _signature_problem(table, self._table_info(table, refresh=True), specs)
+            problem = _signature_problem(table, self._table_info(table, refresh=True), specs, self.step_signatures)
             if problem is not None:
                 raise ValueError(problem)
         if len(self._validated) > 1024:
@@ -453,8 +455,10 @@ class TrajectoryWriter:
         return self._rng.getrandbits(64) or 1
 
 
-def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtype, tuple]]) -> str | None:
-    """Why an item of these column specs does not fit the table's signature (None: it fits)."""
+def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtype, tuple]],
+                       per_step: bool = False) -> str | None:
+    """Why an item of these column specs does not fit the table's signature (None: it fits). ``per_step``
+    (the legacy Writer's items, whose columns are steps): a column also fits when each of its steps does."""
     if not info.HasField("signature") or not len(info.signature.leaves):
         return None
     expected = signature_specs(info.signature)
@@ -462,7 +466,8 @@ def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtyp
         return (f"Unable to create item in table '{table}': the trajectory has {len(specs)} columns but the table "
                 f"signature has {len(expected)}")
     for i, ((dtype, shape), spec) in enumerate(zip(specs, expected, strict=True)):
-        if dtype != spec.dtype or not shape_compatible(spec.shape, shape):
+        fits = shape_compatible(spec.shape, shape) or (per_step and shape_compatible(spec.shape, shape[1:]))
+        if dtype != spec.dtype or not fits:
             label = spec.name or f"column {i}"
             return (f"Unable to create item in table '{table}': {label} has dtype {dtype} and shape {list(shape)} "
                     f"but the table signature expects dtype {spec.dtype} and shape {list(spec.shape)}")

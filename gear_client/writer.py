@@ -46,6 +46,7 @@ class Writer:
         self._chunk_length = int(chunk_length)
         self._writer = TrajectoryWriter(client, self._max_sequence_length,
                                         max_in_flight_items=int(max_in_flight_items))
+        self._writer.step_signatures = True  # Reverb's Writer takes a table signature of one step
         self._skeleton: Any = None  # the step structure, leaves replaced by their index
         self._num_leaves = 0
         self._steps = 0

@@ -335,10 +335,13 @@ class Signature:
     def names(self) -> list[str]:
         return [leaf.name for leaf in self.leaves]
 
-    def fixed_length(self, column: int) -> int:
-        """The time dimension the signature fixes for a column (-1: any)."""
+    def fixed_length(self, column: int, step_rank: int) -> int:
+        """The time dimension the signature fixes for a column whose steps have ``step_rank`` dimensions
+        (-1: any). A spec of one dimension more than a step is the whole trajectory (its first dimension
+        the steps, -1 for any number); a spec of a step's rank is one step (Reverb's legacy Writer
+        items): any number of steps."""
         shape = self.leaves[column].shape
-        return int(shape[0]) if shape else -1
+        return int(shape[0]) if len(shape) == step_rank + 1 else -1
 
     def check(self, prep: PreparedItem) -> None:
         """ValueError naming the first leaf the signature does not allow.

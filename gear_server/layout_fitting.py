@@ -82,7 +82,7 @@ def learn_layout(st: TableCore, prep: PreparedItem) -> None:
             if s.squeeze:
                 lengths.append(1)
                 continue
-            fixed = sig.fixed_length(c) if sig is not None else -1
+            fixed = sig.fixed_length(c, len(s.step_shape)) if sig is not None else -1
             if fixed >= 0:
                 lengths.append(int(fixed))
             else:

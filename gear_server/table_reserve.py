@@ -113,7 +113,7 @@ def check_lengths(st: TableCore, item: ReservedItem) -> None:
         if not low <= length <= high:
             raise ValueError(f"item {item.key}: column '{col.name}' (#{c}) has length {length}, outside "
                              f"[{low}, {high}] of the slot")
-        fixed = st.signature.fixed_length(c) if st.signature is not None and not col.squeeze else -1
+        fixed = st.signature.fixed_length(c, len(col.shape)) if st.signature is not None and not col.squeeze else -1
         if fixed >= 0 and length != fixed:
             raise ValueError(f"item {item.key}: column '{col.name}' (#{c}) has {length} steps but the "
                              f"signature says {fixed}")

@@ -256,3 +256,28 @@ def test_insert_is_checked_on_the_flattened_leaves_of_the_signature(planes):
         assert info_of(client, "scalar").current_size == 0 and info_of(client, "one").current_size == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("planes", [None, ()], ids=["default-planes", "inline"])
+def test_a_signature_of_one_step_takes_legacy_writer_items_of_any_length(planes):
+    """A signature leaf of a step's rank describes one step (Reverb's legacy Writer and ``insert``): items of
+    3 steps and of 1 fit, and come back with their own time dimension, not padded to the spec's first
+    dimension."""
+    server = reverb.Server([reverb.Table.queue("steps", 10, signature={"x": spec((2,), np.float32)}),
+                            reverb.Table.queue("vec", 10, signature={"x": spec((3,), np.float32)})])
+    try:
+        kwargs = {} if BACKEND == "reverb" or planes is None else {"data_planes": planes}
+        client = reverb.Client(f"localhost:{server.port}", **kwargs)
+        with client.writer(5) as writer:
+            for t in range(4):
+                writer.append({"x": np.full(2, t, np.float32)})
+            writer.create_item("steps", 3, 1.0)
+            writer.create_item("steps", 1, 1.0)
+        three = sample_one(client, "steps")
+        assert np.asarray(three.data[0]).tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+        one = sample_one(client, "steps", unpack_as_table_signature=True)
+        assert np.asarray(one.data["x"]).tolist() == [[3.0, 3.0]]
+        client.insert({"x": np.arange(3, dtype=np.float32)}, {"vec": 1.0})
+        assert np.asarray(sample_one(client, "vec").data[0]).tolist() == [[0.0, 1.0, 2.0]]
+    finally:
+        server.stop()
