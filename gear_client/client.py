@@ -29,6 +29,7 @@ import numpy as np
 from gear_client import errors
 from gear_client.auth import ChannelSecurity
 from gear_client.connection import DaemonChannel, check_address, connect_timeout_option
+from gear_client.data_planes.read_ahead import sampling_takes
 from gear_client.local_lane import LaneBroken, LaneStatusError
 from gear_client.replay_sample import ReplaySample, SampleInfo, emit_sample
 from gear_client.table_info import TableInfo
@@ -274,9 +275,12 @@ class Client:
         remaining = int(num_samples)
         if plane is not None:  # shm or rdma negotiated: bytes bypass the control plane
             tune_allocator()  # batches and the caller's stacked copies are multi-MiB buffers too
+            # a table whose picks take something (a queue, a limiter that spends samples): one item a call,
+            # as Reverb, so each is handed over as it comes and none is taken that the caller never gets
+            per_call = 1 if sampling_takes(self._table_info(table)) else _PLANE_ITEMS_PER_SELECT
             while remaining > 0:
                 try:
-                    batch = plane.sample(min(remaining, _PLANE_ITEMS_PER_SELECT))
+                    batch = plane.sample(min(remaining, per_call))
                 except ValueError:
                     if plane.kind is not None:
                         raise

@@ -32,6 +32,7 @@ import grpc
 import numpy as np
 
 from gear_client import errors
+from gear_client.data_planes.read_ahead import sampling_takes
 from gear_client.replay_sample import ReplaySample, emit_sample
 from gear_client.sharding.membership import (
     DEFAULT_RETRY_S,
@@ -193,8 +194,9 @@ class ShardedClient:
             structure = info.signature.structure if info.HasField("signature") else None
         sampler = self.sampler(table)
         remaining = int(num_samples)
+        per_call = 1 if sampling_takes(self._table_info(table)) else _ITEMS_PER_BATCH  # as Client.sample
         while remaining > 0:
-            batch = sampler.sample(min(remaining, _ITEMS_PER_BATCH))
+            batch = sampler.sample(min(remaining, per_call))
             remaining -= len(batch)
             for i, info in enumerate(batch.item_infos()):
                 yield emit_sample(info, batch.item_columns(i), structure, emit_timesteps)

@@ -281,3 +281,16 @@ def test_a_signature_of_one_step_takes_legacy_writer_items_of_any_length(planes)
         assert np.asarray(sample_one(client, "vec").data[0]).tolist() == [[0.0, 1.0, 2.0]]
     finally:
         server.stop()
+
+
+def test_sample_of_a_queue_takes_one_item_per_next(client):
+    """``client.sample(queue, num_samples=N)`` hands items over as they come: one ``next()`` takes one item
+    (Reverb's sampler asks for one at a time), so items the caller never gets stay in the queue."""
+    for i in range(8):
+        client.insert(np.int64(i), {"queue": 1.0})
+    samples = client.sample("queue", num_samples=5, emit_timesteps=False)
+    first = next(samples)
+    assert int(np.asarray(first.data[0]).reshape(-1)[0]) == 0
+    assert info_of(client, "queue").current_size == 7
+    del samples
+    assert info_of(client, "queue").current_size == 7

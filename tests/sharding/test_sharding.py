@@ -630,3 +630,21 @@ def test_a_table_configured_differently_on_a_shard_is_refused_by_name(tmp_path):
     finally:
         for d in daemons:
             d.stop()
+
+
+def test_client_sample_of_a_sharded_queue_takes_one_item_per_next(cluster):
+    """As one daemon's ``Client.sample``: a table whose picks remove items is sampled one item a call, so a
+    ``next()`` takes one item of the whole table and the rest stay."""
+    direct = [reverb.Client(a) for a in cluster.addresses]
+    client = _sharded(cluster, seed=SEED)
+    try:
+        for shard, c in enumerate(direct):
+            for i in range(3):
+                c.insert({"id": np.int64(100 * shard + i)}, priorities={"queue": 1.0})
+        samples = client.sample("queue", num_samples=6, emit_timesteps=False)
+        next(samples)
+        assert sum(c.server_info()["queue"].current_size for c in direct) == 3 * NUM_SHARDS - 1
+        del samples
+    finally:
+        client.close()
+        _reset_and_close(direct, "queue")
