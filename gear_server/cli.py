@@ -31,14 +31,29 @@ _LENGTH = struct.Struct("!Q")
 MAX_CONFIG_BYTES = 64 << 20
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _port(text: str) -> int:
+    """--port: an integer in [0, 65535] (argparse says what is wrong and exits 2 otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not in [0, 65535]")
+    return port
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gear-server", description="Run the gear replay daemon.")
     parser.add_argument("--config", help="TOML configuration file (see deploy/gear-server.example.toml)")
     parser.add_argument("--config-proto", help=argparse.SUPPRESS)
     parser.add_argument("--control-fd", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help="override the config's port (0: any free port)")
+    parser.add_argument("--port", type=_port, help="override the config's port (0: any free port)")
     parser.add_argument("--bind-address", help="override the config's bind_address")
-    parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL")
     args = parser.parse_args(argv)
     if args.config and args.config_proto:
         parser.error("give --config or --config-proto, not both")

@@ -185,6 +185,18 @@ def test_gear_server_exits_2_on_a_bad_config(tmp_path):
     assert "max_size" in out.stderr and "configuration error" in out.stderr
 
 
+@pytest.mark.parametrize(("flags", "words"), [(["--port", "99999"], "not in [0, 65535]"),
+                                              (["--port", "http"], "not a port number"),
+                                              (["--log-level", "LOUD"], "invalid choice: 'LOUD'")])
+def test_gear_server_exits_2_on_a_bad_flag_and_names_it(tmp_path, flags, words):
+    path = tmp_path / "ok.toml"
+    path.write_text('[[tables]]\nname = "t"\nmax_size = 10\npreset = "queue"\n')
+    out = subprocess.run([sys.executable, "-m", "gear_server", "--config", str(path), *flags], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and "Traceback" not in out.stderr
+
+
 def test_gear_server_exits_1_when_its_port_is_taken(tmp_path, shm_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
