@@ -274,8 +274,9 @@ class _Sessions:
     """One data-plane session per shard, for Selects without collection (keys, probabilities, leases only).
 
     The client's samplers always collect what they select; these sessions show
-    what selection alone costs: the same Select RPC the shm plane sends, its
-    lease ended by the shard's next Select (or at close).
+    what selection alone costs: the same Select the shm plane sends (over the
+    daemon's local lane, as a sampler's session), its lease ended by the shard's
+    next Select (or at close).
     """
 
     def __init__(self, addresses: list[str], table: str):
@@ -287,12 +288,12 @@ class _Sessions:
         self.channels, self.sessions = [], []
         offer = negotiation.build_offer([negotiation.SHM], negotiation.local_host_id(), None)
         for address in addresses:
-            stub, _, channel, _ = connect(address)
+            stub, _, channel, daemon = connect(address)
             self.channels.append(channel)
             response = stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=table, offer=offer), timeout=30)
             if response.kind != negotiation.SHM:
                 raise RuntimeError(f"{address} offered {response.kind!r}, not shm: selection alone needs a session")
-            self.sessions.append(PlaneSession(stub, table, response))
+            self.sessions.append(PlaneSession(stub, table, response, daemon=daemon))  # its lane, as a sampler's
         self.release: list[list[int]] = [[] for _ in addresses]  # per shard: leases its next Select ends
 
     def select(self, counts: dict[int, int]) -> dict[int, Any]:
@@ -413,6 +414,15 @@ def bench_select(addresses: list[str], items: int, reps: int) -> dict[str, Any]:
                                         got[shard_of[s]].infos[2]) for s in counts})
         return sum(len(g) for g in got.values())
 
+    # the floor under (a): every shard's Select of one pick at once, nothing else (the control plane's cost)
+    for _ in range(5):
+        sessions.select({shard_of[s]: 1 for s in shard_of})
+    floor = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sessions.select({shard_of[s]: 1 for s in shard_of})
+        floor.append(time.perf_counter() - t0)
+    out["select_floor_us"] = float(np.median(floor)) * 1e6
     for fresh, key in ((True, "select_only_us"), (False, "select_only_cached_us")):
         for _ in range(5):
             select_once(fresh)
@@ -553,6 +563,8 @@ def print_results(r: dict[str, Any]) -> None:
     if sel:
         print(f"prioritized selection of {SELECT_BATCH} over {SELECT_SHARDS} shards of {sel['items_per_shard']} items "
               f"(goal < {GOALS['select_us']:.0f} us; fill {sel['fill_s']:.0f} s):")
+        print(f"  floor: a Select of one pick on every shard at once, {sel['select_floor_us']:.0f} us median (the "
+              f"control plane's round trips alone)")
         print(f"  (a) selection alone, one batch: {sel['select_only_us']:.0f} us median "
               f"({sel['select_only_p90_us']:.0f} p90) with the masses asked; {sel['select_only_cached_us']:.0f} us "
               f"({sel['select_only_cached_p90_us']:.0f} p90) with masses reused")
