@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,18 +231,26 @@ class ShardedClient:
         self._raise_first(targets, results, "mutate_priorities")
 
     def reset(self, table: str) -> None:
-        """Empty the table on every shard; ServiceError naming the shards that could not be reached (or
-        stopped answering: ``ShardSet.map_watched``)."""
-        shards = self.shard_set.shards
-        self._raise_first(shards, self.shard_set.map_watched(lambda s: s.client.reset(table), shards), "reset")
+        """Empty the table on every shard; ServiceError naming the shards that are down, could not be
+        reached or stopped answering (``_on_every_shard``)."""
+        self._on_every_shard(lambda s: s.client.reset(table), "reset")
 
     def checkpoint(self) -> str:
         """Have every shard write a checkpoint; their paths, comma-separated in shard order. ServiceError
-        naming the shards that could not be reached or stopped answering (``ShardSet.map_watched``)."""
+        naming the shards that are down, could not be reached or stopped answering (``_on_every_shard``)."""
+        return ",".join(self._on_every_shard(lambda s: s.client.checkpoint(), "checkpoint"))
+
+    def _on_every_shard(self, fn: Callable[[Shard], Any], operation: str) -> list[Any]:
+        """``fn`` on every live shard (``ShardSet.map_watched``: a hung one is cut off), the others' work
+        done; a shard already down is not called (a call to a hung node would hold a pool thread until it
+        wakes) and counts as failed. ServiceError naming every failed shard."""
         shards = self.shard_set.shards
-        results = self.shard_set.map_watched(lambda s: s.client.checkpoint(), shards)
-        self._raise_first(shards, results, "checkpoint")
-        return ",".join(results)
+        live = {s.index for s in self.shard_set.live()}
+        answers = iter(self.shard_set.map_watched(fn, [s for s in shards if s.index in live]))
+        results = [next(answers) if s.index in live else
+                   errors.ServiceError(f"down ({s.last_error})", grpc.StatusCode.UNAVAILABLE) for s in shards]
+        self._raise_first(shards, results, operation)
+        return results
 
     def _raise_first(self, shards: Sequence[Shard], results: list[Any], operation: str) -> None:
         failed = [(s, r) for s, r in zip(shards, results, strict=True) if isinstance(r, BaseException)]

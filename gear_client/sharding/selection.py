@@ -19,9 +19,10 @@ the reported ``probability`` and ``table_size`` to the global ones:
   each shard gives its own oldest (newest) items: exact per shard, approximate
   globally. Reported probability 1.0 (as one table).
 * a table whose picks remove their items (``max_times_sampled`` 1, e.g. a
-  queue), unless prioritized: split without replacement (multivariate
-  hypergeometric by size), so no shard is asked for more items than it holds
-  while the table holds the batch.
+  queue): no shard is asked for more items than it holds while the table holds
+  the batch. Uniform, fifo and lifo split without replacement (multivariate
+  hypergeometric by size); prioritized by mass, then capped at each shard's
+  size (the excess moved to shards with room); heaps take the best heads first.
 """
 
 from __future__ import annotations

@@ -535,6 +535,10 @@ def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
             assert time.monotonic() - start < 10.0  # a hung call waited forever
         assert not client.shards()[1].up
         assert [direct[i].server_info()["events"].current_size for i in (0, 2)] == [0, 0]
+        start = time.monotonic()  # known down now: named at once, no call (and no pool thread) left on it
+        with pytest.raises(reverb.errors.ServiceError, match=f"{cluster.addresses[1]} \\(down"):
+            client.checkpoint()
+        assert time.monotonic() - start < 1.0
     finally:
         cluster.pause(1, False)
         client.close()
