@@ -275,8 +275,8 @@ class Client:
         remaining = int(num_samples)
         if plane is not None:  # shm or rdma negotiated: bytes bypass the control plane
             tune_allocator()  # batches and the caller's stacked copies are multi-MiB buffers too
-            # a table whose picks take something (a queue, a limiter that spends samples): one item a call,
-            # as Reverb, so each is handed over as it comes and none is taken that the caller never gets
+            # a table whose picks take something (a queue, a limiter that spends samples): one item a call
+            # (Reverb's sampler keeps one ahead), so each is handed over as it comes and none is taken unseen
             per_call = 1 if sampling_takes(self._table_info(table)) else _PLANE_ITEMS_PER_SELECT
             while remaining > 0:
                 try:
