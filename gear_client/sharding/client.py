@@ -188,13 +188,13 @@ class ShardedClient:
                unpack_as_table_signature: bool = False
                ) -> Generator[list[ReplaySample] | ReplaySample, None, None]:
         """``num_samples`` items with global semantics, as ``Client.sample`` yields them."""
+        table_info = self._table_info(table)
         structure = None
-        if unpack_as_table_signature:
-            info = self._table_info(table)
-            structure = info.signature.structure if info.HasField("signature") else None
+        if unpack_as_table_signature and table_info.HasField("signature"):
+            structure = table_info.signature.structure
         sampler = self.sampler(table)
         remaining = int(num_samples)
-        per_call = 1 if sampling_takes(self._table_info(table)) else _ITEMS_PER_BATCH  # as Client.sample
+        per_call = 1 if sampling_takes(table_info) else _ITEMS_PER_BATCH  # as Client.sample
         while remaining > 0:
             batch = sampler.sample(min(remaining, per_call))
             remaining -= len(batch)
