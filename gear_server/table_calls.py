@@ -43,17 +43,12 @@ class JoinedSelection:
     def __init__(self, parts: Sequence[Selection]):
         self.parts = list(parts)
         first = parts[0]
-        if len(parts) == 1:  # the common case, on every Select: the part's own arrays
-            for name in self._ARRAYS:
-                setattr(self, name, getattr(first, name))
-            self.layout_version = first.layout_version
-            self.lease_ids = [first.lease_id]
-        else:
-            for name in self._ARRAYS:
-                setattr(self, name, np.concatenate([getattr(p, name) for p in parts]))
-            # A later part saw the newer layout; a growth copies every slot, so earlier refs hold in it.
-            self.layout_version = max(p.layout_version for p in parts)
-            self.lease_ids = [p.lease_id for p in parts]
+        for name in self._ARRAYS:  # one part (the common case): its own arrays, nothing copied
+            setattr(self, name, getattr(first, name) if len(parts) == 1 else
+                    np.concatenate([getattr(p, name) for p in parts]))
+        # A later part saw the newer layout; a growth copies every slot, so earlier refs hold in it.
+        self.layout_version = max(p.layout_version for p in parts)
+        self.lease_ids = [p.lease_id for p in parts]
         self.lease_id = first.lease_id  # reading the joined slots checks one lease: all are held alike
 
     def __len__(self) -> int:
