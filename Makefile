@@ -127,7 +127,7 @@ bench-reverb: install $(REVERB_VENV)/.installed
 bench-streams: install
 	$(VPY) bench/bench_streams.py
 
-# TensorFlow learners (gear_client.tf_datasets, tf_client; TF-Agents' replay buffer through the reverb
+# TensorFlow learners (gear_client.tf.datasets, tf_client; TF-Agents' replay buffer through the reverb
 # alias) in their own venv with tensorflow-cpu (about 1.6 GB, so not part of `make test`, whose runs
 # skip the `tf` tests); the README's TensorFlow block too.
 TF_VENV := .venv-tf

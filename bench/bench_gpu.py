@@ -8,7 +8,7 @@ Measured in one run, on one machine:
      wall clock), beside the NumPy twin (host gather);
   3. prioritized selection latency for N = 1M, 16M at B = 256, 4096, 65536 (end to
      end: draws on the host; and device time), beside the twin and the daemon's
-     CPU structure (gear_server.selectors.Prioritized);
+     CPU structure (gear_server.table.selectors.Prioritized);
   4. priority-update latency for 4096 keys (GPU scatter, twin, CPU structure);
   5. the crossover: batch sizes from which the GPU path beats the CPU structure
      per table size (what kernels/offload.py's CROSSOVERS holds).
@@ -38,7 +38,7 @@ from gear_contract.layout import TableLayout
 from gear_kernels import selection, twins
 from gear_kernels._replay import Replay
 from gear_kernels.gather import GatherPlan
-from gear_server.selectors.offload import WeightOffload
+from gear_server.table.selectors.offload import WeightOffload
 
 GOALS = {
     "gather_large": 0.9,  # x pinned ceiling, items >= 64 KiB at B >= 256
@@ -148,7 +148,7 @@ def bench_gather(cp, ceiling: float, quick: bool) -> list[dict]:
 def filled_prioritized(n: int, weights_of: np.ndarray):
     """gear_server's Prioritized selector holding n items (None if it cannot be imported)."""
     try:
-        from gear_server.selectors.prioritized import Prioritized
+        from gear_server.table.selectors.prioritized import Prioritized
     except Exception as e:  # the daemon's package may be absent on a bare GPU machine
         print(f"  (CPU structure unavailable: {e})")
         return None

@@ -31,15 +31,15 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from gear_client.auth import ChannelSecurity
+from gear_client.connection.auth import ChannelSecurity
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from gear_server.auth import AuthSettings
-from gear_server.checkpoint import Checkpointer
-from gear_server.metrics import RpcObserver, ServerMetrics
-from gear_server.operations import restore_table, table_state
+from gear_server.checkpoint.checkpointer import Checkpointer
+from gear_server.daemon_ops import restore_table, table_state
+from gear_server.ops.auth import AuthSettings
+from gear_server.ops.metrics import RpcObserver, ServerMetrics
 from gear_server.storage import SegmentStore
-from gear_server.table import ItemToInsert, Table
+from gear_server.table.table import ItemToInsert, Table
 
 ITEM_BYTES = 256 << 10
 GB = 1e9

@@ -255,7 +255,7 @@ def bench_rdma_overhead(address: str, batch: int, seconds: float) -> dict[str, A
     from gear_client.data_planes import range_planning as rp
     from gear_client.data_planes.rdma import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_SEND_WR, execute_plan
     from gear_client.data_planes.sampler import PlaneSampler
-    from gear_contract.verbs import Completion
+    from gear_contract.rdma_verbs import Completion
 
     class NullNic:
         def __init__(self):
@@ -296,7 +296,7 @@ def rp_balance() -> int:
 
 
 def bench_rdma_real(address: str, batch: int, seconds: float) -> dict[str, Any] | None:
-    from gear_contract import verbs
+    from gear_contract import rdma_verbs as verbs
 
     if verbs.probe() is None:
         return None

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import gear_client as reverb  # noqa: E402
 from gear_contract._proto import replay_pb2 as pb  # noqa: E402
 from gear_contract._proto import replay_pb2_grpc as pb_grpc  # noqa: E402
-from gear_contract.local_lane import SELECT  # noqa: E402
+from gear_contract.lane_frames import SELECT  # noqa: E402
 from gear_contract.negotiation import local_host_id  # noqa: E402
 
 ITEMS_PER_ACTOR = 5

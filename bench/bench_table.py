@@ -1,4 +1,4 @@
-"""Benchmark of gear_server.table.Table (prints figures; not a test).
+"""Benchmark of gear_server.table.table.Table (prints figures; not a test).
 
     .venv/bin/python bench/bench_table.py [--quick]
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.storage import SegmentStore
-from gear_server.table import ItemToInsert, Table, TableSnapshot
+from gear_server.table.table import ItemToInsert, Table, TableSnapshot
 
 LEAF = pb.Structure()
 UNLIMITED = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=-1.7976931348623157e308,

@@ -72,7 +72,7 @@ class _Client:
 
 
 def run(items: int, steps: int, obs_size: int, target: str = "discard", pipeline: int | None = None) -> dict:
-    from gear_client.trajectory_writer import TrajectoryWriter
+    from gear_client.writers.trajectory_writer import TrajectoryWriter
 
     ctx = mp.get_context("spawn")
     port_queue, stop_event = ctx.Queue(), ctx.Event()
@@ -153,7 +153,7 @@ def main() -> None:
                         help="flush(block_until_num_items=N) after each item (a bounded pipeline, as make bench)")
     args = parser.parse_args()
     if args.batch_bytes is not None:
-        from gear_client import insert_stream
+        from gear_client.writers import insert_stream
 
         insert_stream.BATCH_BYTES = args.batch_bytes
     r = run(args.items, args.steps, args.obs, args.target, args.pipeline)

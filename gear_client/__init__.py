@@ -19,24 +19,24 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Table": ("gear_client.server", "Table"),
     "TableInfo": ("gear_client.table_info", "TableInfo"),
     "Client": ("gear_client.client", "Client"),
-    "Writer": ("gear_client.writer", "Writer"),
-    "TrajectoryWriter": ("gear_client.trajectory_writer", "TrajectoryWriter"),
-    "TrajectoryColumn": ("gear_client.trajectory_writer", "TrajectoryColumn"),
+    "Writer": ("gear_client.writers.legacy_writer", "Writer"),
+    "TrajectoryWriter": ("gear_client.writers.trajectory_writer", "TrajectoryWriter"),
+    "TrajectoryColumn": ("gear_client.writers.trajectory_writer", "TrajectoryColumn"),
     "ReplaySample": ("gear_client.replay_sample", "ReplaySample"),
     "SampleInfo": ("gear_client.replay_sample", "SampleInfo"),
     "TrajectoryDataset": ("gear_client.datasets", "TrajectoryDataset"),
     "TimestepDataset": ("gear_client.datasets", "TimestepDataset"),
-    "ReplayDataset": ("gear_client.tf_datasets", "ReplayDataset"),
-    "TFClient": ("gear_client.tf_client", "TFClient"),
-    "tf_datasets": ("gear_client.tf_datasets", None),
+    "ReplayDataset": ("gear_client.tf.datasets", "ReplayDataset"),
+    "TFClient": ("gear_client.tf.client", "TFClient"),
+    "tf_datasets": ("gear_client.tf.datasets", None),
     "ReverbError": ("gear_client.errors", "ReverbError"),
     "DeadlineExceededError": ("gear_client.errors", "DeadlineExceededError"),
     "selectors": ("gear_contract.selectors", None),
     "item_selectors": ("gear_contract.selectors", None),
     "rate_limiters": ("gear_contract.rate_limiters", None),
     "specs": ("gear_contract.specs", None),
-    "structured": ("gear_client.structured", None),
-    "structured_writer": ("gear_client.structured_writer", None),
+    "structured": ("gear_client.writers.structured_config", None),
+    "structured_writer": ("gear_client.writers.structured_writer", None),
     "checkpointers": ("gear_client.checkpointers", None),
     "errors": ("gear_client.errors", None),
 }
@@ -44,8 +44,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
 # Modules that need an optional dependency (module -> the dependency's import name). Without it their
 # names are absent, as any missing attribute: hasattr() is False, `from gear_client import *` skips them.
 _OPTIONAL_DEPENDENCIES: dict[str, str] = {
-    "gear_client.tf_datasets": "tensorflow",
-    "gear_client.tf_client": "tensorflow",
+    "gear_client.tf.datasets": "tensorflow",
+    "gear_client.tf.client": "tensorflow",
 }
 
 
@@ -67,8 +67,8 @@ REVERB_MODULES: dict[str, str] = {
     "server": "gear_client.server",
     "errors": "gear_client.errors",
     "replay_sample": "gear_client.replay_sample",
-    "trajectory_writer": "gear_client.trajectory_writer",
-    "structured_writer": "gear_client.structured_writer",
+    "trajectory_writer": "gear_client.writers.trajectory_writer",
+    "structured_writer": "gear_client.writers.structured_writer",
     "checkpointers": "gear_client.checkpointers",
     "item_selectors": "gear_contract.selectors",
     "selectors": "gear_contract.selectors",
@@ -76,16 +76,16 @@ REVERB_MODULES: dict[str, str] = {
     "specs": "gear_contract.specs",
     "trajectory_dataset": "gear_client.datasets",
     "timestep_dataset": "gear_client.datasets",
-    "tf_client": "gear_client.tf_client",
-    "dataset": "gear_client.tf_datasets",
+    "tf_client": "gear_client.tf.client",
+    "dataset": "gear_client.tf.datasets",
 }
 
 # With TensorFlow installed, code that says `import reverb` (the alias) gets Reverb's tf.data datasets
 # under these names; `import gear_client as reverb` keeps the Python iterators (the tf.data ones are
 # ``reverb.tf_datasets.TrajectoryDataset`` etc. there).
 TF_EXPORTS: dict[str, tuple[str, str]] = {
-    "TrajectoryDataset": ("gear_client.tf_datasets", "TrajectoryDataset"),
-    "TimestepDataset": ("gear_client.tf_datasets", "TimestepDataset"),
+    "TrajectoryDataset": ("gear_client.tf.datasets", "TrajectoryDataset"),
+    "TimestepDataset": ("gear_client.tf.datasets", "TimestepDataset"),
 }
 
 

@@ -1,7 +1,7 @@
 """Checkpointers (`reverb.checkpointers`): where a Server keeps its checkpoints.
 
 A checkpointer only names a directory; the daemon's checkpoint machinery
-(gear_server/checkpoint.py) writes there on ``Client.checkpoint()`` and restores
+(gear_server/checkpoint/checkpointer.py) writes there on ``Client.checkpoint()`` and restores
 the newest complete checkpoint from there at start.
 """
 

@@ -5,7 +5,7 @@ lazily, is safe to share between threads (one channel, calls are independent)
 and pickles as its address (plus any explicit security settings), so a copy in
 another process opens its own channel. A call waits for a daemon that is not
 (yet) reachable for at most ``connect_timeout`` seconds, then raises
-``errors.ConnectError`` naming the address and the cause (gear_client.connection).
+``errors.ConnectError`` naming the address and the cause (gear_client.connection.channel).
 
 ``sample`` uses the learner data plane it negotiates (gear_client.data_planes):
 on the daemon's host the table's shared memory (shm), on another host with an
@@ -27,17 +27,17 @@ import grpc
 import numpy as np
 
 from gear_client import errors
-from gear_client.auth import ChannelSecurity
-from gear_client.connection import DaemonChannel, check_address, connect_timeout_option
+from gear_client.connection.auth import ChannelSecurity
+from gear_client.connection.channel import DaemonChannel, check_address, connect_timeout_option
+from gear_client.connection.lane_client import LaneBroken, LaneStatusError
 from gear_client.data_planes.read_ahead import sampling_takes
-from gear_client.local_lane import LaneBroken, LaneStatusError
 from gear_client.replay_sample import ReplaySample, SampleInfo, emit_sample
 from gear_client.table_info import TableInfo
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.allocator import tune_allocator
-from gear_contract.local_lane import MUTATE_PRIORITIES, encode_priorities
+from gear_contract.lane_frames import MUTATE_PRIORITIES, encode_priorities
 from gear_contract.wire import decode_sample_response, encode_priority_updates
 
 __all__ = ["Client"]
@@ -223,7 +223,7 @@ class Client:
     def writer(self, max_sequence_length: int, delta_encoded: bool = False, chunk_length: int | None = None,
                max_in_flight_items: int | None = 25):
         """A legacy ``Writer`` whose items span at most ``max_sequence_length`` steps (it validates its arguments)."""
-        from gear_client.writer import Writer
+        from gear_client.writers.legacy_writer import Writer
 
         self._wait_ready("writer")
         return Writer(self, max_sequence_length=max_sequence_length, delta_encoded=delta_encoded,
@@ -239,7 +239,7 @@ class Client:
         if num_keep_alive_refs < 1:
             raise ValueError(f"num_keep_alive_refs ({num_keep_alive_refs}) must be a positive integer")
         del get_signature_timeout_ms  # signatures are fetched on demand and cached
-        from gear_client.trajectory_writer import TrajectoryWriter
+        from gear_client.writers.trajectory_writer import TrajectoryWriter
 
         self._wait_ready("trajectory_writer")
         return TrajectoryWriter(self, num_keep_alive_refs, validate_items=validate_items,
@@ -249,7 +249,7 @@ class Client:
         """A ``StructuredWriter`` that inserts items as ``configs`` describe (reverb.structured_writer)."""
         if not configs:
             raise ValueError("At least one config must be provided.")
-        from gear_client.structured_writer import StructuredWriter
+        from gear_client.writers.structured_writer import StructuredWriter
 
         self._wait_ready("structured_writer")
         return StructuredWriter(self, configs)
@@ -359,7 +359,7 @@ class Client:
         """Delete ``deletes`` then set ``updates`` (key -> priority); unknown keys are ignored.
 
         Returns once the daemon applied it. On the daemon's host the call takes the local lane
-        (gear_client/local_lane.py), else (or when the lane fails) gRPC.
+        (gear_client/connection/lane_client.py), else (or when the lane fails) gRPC.
         """
         if deletes is not None and not isinstance(deletes, (list, tuple)):
             deletes = list(deletes)  # read twice when the lane gives way to gRPC

@@ -63,7 +63,7 @@ def _signature(proto: pb.Signature) -> Any:
     """The signature as a nest of specs: tf.TensorSpec where the program uses TensorFlow (as Reverb's)."""
     signature = specs.signature_from_proto(proto)
     if "tensorflow" in sys.modules:
-        from gear_client.tf_specs import to_tf_signature
+        from gear_client.tf.specs import to_tf_signature
 
         return to_tf_signature(signature)
     return signature

@@ -2,7 +2,7 @@
 
 The option objects validate their arguments exactly as Reverb does (same
 ValueErrors) and become a ``gear.v1.RateLimiterOptions`` with ``to_proto()``;
-the daemon enforces them (gear_server/rate_limiter.py).
+the daemon enforces them (gear_server/table/rate_limiter.py).
 """
 
 from __future__ import annotations

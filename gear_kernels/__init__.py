@@ -4,7 +4,7 @@ Every kernel has a NumPy twin with the same semantics; functions take NumPy arra
 (twin) or CuPy arrays (GPU) and dispatch on them. See docs/KERNELS.md.
 """
 
-from ._backend import gpu_available, is_device_array
+from .backend import gpu_available, is_device_array
 from .gather import Batch, Window, gather, gather_numpy, output_plan, to_jax, to_torch
 from .hostmem import HostRegistration
 from .rng import CounterRng

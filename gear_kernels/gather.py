@@ -27,7 +27,7 @@ import numpy as np
 from gear_contract.layout import ColumnLayout, TableLayout
 
 from . import twins
-from ._backend import is_device_array, kernel, require_cupy, staging
+from .backend import is_device_array, kernel, require_cupy, staging
 from .hostmem import HostRegistration
 
 OUT_ALIGNMENT = 256  # each column's block in the output buffer starts on this boundary

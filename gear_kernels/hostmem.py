@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import require_cupy
+from .backend import require_cupy
 
 # CUDA runtime constants (cudaHostRegister flags and device attributes).
 HOST_REGISTER_PORTABLE = 1

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from . import twins
-from ._backend import is_device_array, kernel, require_cupy, staging
 from ._replay import Replay, ReplayCache
+from .backend import is_device_array, kernel, require_cupy, staging
 from .rng import CounterRng
 
 # Host-facing calls (draws returned to the host, updates from host arrays) replay

@@ -105,7 +105,7 @@ def _settings(args: argparse.Namespace, control: socket.socket | None) -> Daemon
 
 def _configure_logging(settings: DaemonSettings | None, level: str | None) -> None:
     try:
-        from gear_server.logs import LoggingSettings, configure_logging
+        from gear_server.ops.logs import LoggingSettings, configure_logging
     except ImportError:
         logging.basicConfig(stream=sys.stderr, level=(level or "INFO").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -58,12 +58,12 @@ DEFAULT_MAX_WORKERS = 8
 
 # section -> (module, settings class) of each operations concern.
 OPERATION_SECTIONS: dict[str, tuple[str, str]] = {
-    "checkpoint": ("gear_server.checkpoint", "CheckpointSettings"),
-    "metrics": ("gear_server.metrics", "MetricsSettings"),
-    "auth": ("gear_server.auth", "AuthSettings"),
-    "logging": ("gear_server.logs", "LoggingSettings"),
+    "checkpoint": ("gear_server.checkpoint.checkpointer", "CheckpointSettings"),
+    "metrics": ("gear_server.ops.metrics", "MetricsSettings"),
+    "auth": ("gear_server.ops.auth", "AuthSettings"),
+    "logging": ("gear_server.ops.logs", "LoggingSettings"),
     "data_planes": ("gear_server.data_planes.settings", "DataPlaneSettings"),
-    "limits": ("gear_server.limits", "LimitSettings"),
+    "limits": ("gear_server.rpc.limits", "LimitSettings"),
     "ingest": ("gear_server.ingest.settings", "IngestSettings"),
 }
 

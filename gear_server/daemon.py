@@ -27,18 +27,19 @@ from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
-from gear_server import __version__, sd_notify
+from gear_server import __version__
 from gear_server.config import DaemonSettings
+from gear_server.daemon_ops import Operations
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.settings import DataPlaneSettings
-from gear_server.event_loop import LoopThread
-from gear_server.limits import LimitSettings
-from gear_server.operations import Operations
-from gear_server.server_ports import GRPC_OPTIONS, bind
-from gear_server.service import ReplayService
+from gear_server.ops import sd_notify
+from gear_server.rpc.event_loop import LoopThread
+from gear_server.rpc.limits import LimitSettings
+from gear_server.rpc.ports import GRPC_OPTIONS, bind
+from gear_server.rpc.table_calls import TableCalls
+from gear_server.serving.service import ReplayService
 from gear_server.storage import SegmentStore
-from gear_server.table_calls import TableCalls
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Daemon:
         self.store: SegmentStore | None = None
         self.tables: dict[str, Any] = {}
         self.service: ReplayService | None = None
-        self.ingest: Any = None  # gear_server.ingest.hook.Ingest: insert plane and ingest workers
+        self.ingest: Any = None  # gear_server.ingest.daemon_hook.Ingest: insert plane and ingest workers
         self.server: aio.Server | None = None
         self.port: int | None = None
         self.limits: LimitSettings = settings.limits or LimitSettings()
@@ -78,13 +79,13 @@ class Daemon:
         self._stopped = threading.Event()
         self._state_lock = threading.Lock()
         self._started = False
-        # Checkpoints, health, metrics, auth/TLS, sd_notify (gear_server/operations.py).
+        # Checkpoints, health, metrics, auth/TLS, sd_notify (gear_server/daemon_ops.py).
         self.ops = Operations(settings)
 
     # ------------------------------------------------------------------ steps
     def build_tables(self) -> dict[str, Any]:
         """Remove stale segments of dead daemons (any instance), then create every table."""
-        from gear_server.table import Table
+        from gear_server.table.table import Table
 
         self.store = SegmentStore(self.config.shm_dir or "/dev/shm", self.config.instance_name or "gear")
         removed = self.store.cleanup_stale()
@@ -118,7 +119,7 @@ class Daemon:
 
     def build_ingest(self) -> Any:
         """The insert plane and the ingest workers ([ingest] section)."""
-        from gear_server.ingest.hook import Ingest, socket_path
+        from gear_server.ingest.daemon_hook import Ingest, socket_path
 
         return Ingest(self.settings.ingest, self.tables, self.host_id, self.calls, socket_path=socket_path(self.store),
                       auth=self.settings.auth, metrics=self.ops.metrics, limits=self.limits)

@@ -25,11 +25,12 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.channel import CHANNEL_OPTIONS
 from gear_contract.wire import decode_sample_response
-from gear_server import health, service
-from gear_server.auth import AuthSettings
 from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
-from gear_server.limits import LimitSettings
+from gear_server.ops import health
+from gear_server.ops.auth import AuthSettings
+from gear_server.rpc.limits import LimitSettings
+from gear_server.serving import service
 from tests.open_writers import run_open_writers
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 import gear_client
-from gear_client import connection as connection_module
-from gear_client.local_lane import LaneBroken, LaneStatusError, LocalLane, open_local_lane
+from gear_client.connection import channel as connection_module
+from gear_client.connection.lane_client import LaneBroken, LaneStatusError, LocalLane, open_local_lane
 from gear_contract import rate_limiters, selectors
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from gear_contract.local_lane import (
+from gear_contract.lane_frames import (
     HEAD,
     HELLO,
     LANE_KEY,
@@ -48,9 +48,9 @@ from gear_contract.wire import (
     encode_mutate_priorities,
     encode_priority_updates,
 )
-from gear_server.auth import AuthSettings
 from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
+from gear_server.ops.auth import AuthSettings
 
 EDGE_KEYS = [0, 1, 127, 128, 2**35 + 7, 2**63 - 1, 2**63, 2**64 - 1]
 
@@ -262,7 +262,7 @@ def test_lane_refuses_strangers(daemon):
 def test_strangers_cannot_hold_the_lane(daemon, monkeypatch):
     """Connections before their hello are capped apart and their whole hello has a deadline: a local
     process dribbling bytes or opening many sockets cannot keep the lane from the daemon's clients."""
-    import gear_server.local_lane as server_lane_module
+    import gear_server.serving.lane_server as server_lane_module
 
     monkeypatch.setattr(server_lane_module, "HELLO_TIMEOUT_S", 1.0)
     client = gear_client.Client(daemon.address(), data_planes=())
@@ -540,8 +540,8 @@ def test_lane_select_and_release_run_on_the_connection_thread(daemon, monkeypatc
 def test_answer_frames_in_pieces_with_waits_between_them():
     """A large answer (a Select of many items) arrives in many pieces, with the caller's waits timing out in
     between: what came is kept, and the payload comes out whole and exact."""
-    from gear_client.local_lane import _Answer
-    from gear_contract.local_lane import HEAD
+    from gear_client.connection.lane_client import _Answer
+    from gear_contract.lane_frames import HEAD
 
     payload = np.random.default_rng(3).integers(0, 256, 700_000, dtype=np.uint8).tobytes()
     frame = HEAD.pack(len(payload) + 1, 0) + payload

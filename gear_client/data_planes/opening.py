@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from gear_client import errors
-from gear_client.connection import DaemonChannel
+from gear_client.connection.channel import DaemonChannel
 from gear_client.data_planes.plane import ReadingPlane, SamplingPlane
 from gear_client.data_planes.session import PlaneSession
 from gear_contract import negotiation
@@ -65,7 +65,7 @@ class PlaneOpener:
         return (self.rdma_connection or self._verbs_connection)()
 
     def _verbs_connection(self):
-        from gear_contract import verbs
+        from gear_contract import rdma_verbs as verbs
 
         port = verbs.probe(self.rdma_device)
         if port is None:

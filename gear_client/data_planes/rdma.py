@@ -111,7 +111,7 @@ class VerbsConnection:
 
     def __init__(self, port: addressing.PortInfo, *, num_qps: int = DEFAULT_NUM_QPS,
                  max_send_wr: int = DEFAULT_MAX_SEND_WR):
-        from gear_contract import verbs
+        from gear_contract import rdma_verbs as verbs
 
         self.port = port
         self.device = verbs.Device(port, responder=False)

@@ -6,7 +6,7 @@ then releases the lease. The daemon reports a lease stale when it expired or a
 slot was rewritten meanwhile: the batch read under it is discarded.
 
 On the daemon's host both calls take the daemon's local lane
-(gear_client/local_lane.py) when the session's daemon channel offers one: the
+(gear_client/connection/lane_client.py) when the session's daemon channel offers one: the
 same request and answer messages, the same statuses, at about half gRPC's round
 trip and a fifth of its client CPU. A call the lane cannot carry (``LaneBroken``)
 is sent again over gRPC; ``GEAR_LOCAL_LANE=0`` keeps every call on gRPC.
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from gear_client.local_lane import LaneBroken, LaneFuture
+from gear_client.connection.lane_client import LaneBroken, LaneFuture
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.lane_frames import RELEASE, SELECT
 from gear_contract.layout import TableLayout
-from gear_contract.local_lane import RELEASE, SELECT
 
 
 @dataclass
@@ -175,7 +175,7 @@ class PlaneSession:
 
     def __init__(self, stub, table: str, response: pb.OpenDataPlaneResponse, *, metadata=None, daemon=None):
         self._stub = stub
-        self._daemon = daemon  # gear_client.connection.DaemonChannel: its local lane, when it offers one
+        self._daemon = daemon  # gear_client.connection.channel.DaemonChannel: its local lane, when it offers one
         self.table = table
         self.session_id = response.session_id
         self.kind = response.kind

@@ -201,7 +201,7 @@ class ShmPlane:
         if self._gpu:
             import gear_kernels
 
-            cp = gear_kernels._backend.require_cupy()
+            cp = gear_kernels.backend.require_cupy()
             try:
                 with cp.cuda.Device(gpu_index(self.device)):
                     registration = gear_kernels.HostRegistration(mapping.buffer, read_only=True)
@@ -253,7 +253,7 @@ class ShmPlane:
     def _gather_gpu(self, selection, windows) -> tuple[list[Any], Any]:
         import gear_kernels
 
-        cp = gear_kernels._backend.require_cupy()
+        cp = gear_kernels.backend.require_cupy()
         with cp.cuda.Device(gpu_index(self.device)):
             if not self._streams:
                 self._streams = [cp.cuda.Stream(non_blocking=True) for _ in range(GPU_STREAMS)]

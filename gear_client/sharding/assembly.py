@@ -215,7 +215,7 @@ def _kernel(device: int) -> Any:
     """gear_kernels/assemble.cu's kernel, loaded for ``device``."""
     import cupy as cp
 
-    from gear_kernels._backend import kernel
+    from gear_kernels.backend import kernel
 
     with cp.cuda.Device(device):
         return kernel("assemble", "gear_assemble_rows")

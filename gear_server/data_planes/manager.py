@@ -31,10 +31,10 @@ from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
 from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.errors import NeedsInlinePlane
-from gear_server.metrics import ServerMetrics
-from gear_server.statuses import abort_for, find_table
-from gear_server.table import Table
-from gear_server.table_calls import JoinedSelection, TableCalls
+from gear_server.ops.metrics import ServerMetrics
+from gear_server.rpc.statuses import abort_for, find_table
+from gear_server.rpc.table_calls import JoinedSelection, TableCalls
+from gear_server.table.table import Table
 
 log = logging.getLogger(__name__)
 

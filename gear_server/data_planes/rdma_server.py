@@ -5,7 +5,7 @@ segment, registers it once with the NIC (remote-read access, shared by every
 session that reads that segment version) and, per learner session, creates as
 many RC queue pairs as the learner offered and connects them to the learner's.
 The learner then reads the selected ranges itself; no daemon CPU touches them.
-All verbs calls go through ``gear_contract.verbs``.
+All verbs calls go through ``gear_contract.rdma_verbs``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from gear_contract import addressing, verbs
+from gear_contract import addressing
+from gear_contract import rdma_verbs as verbs
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_server.data_planes.settings import DataPlaneSettings

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gear_server.table_calls import TableCalls
+from gear_server.rpc.table_calls import TableCalls
 
 OnInserted = Callable[[Any, Any], None]
 

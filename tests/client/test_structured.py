@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gear_client import structured_writer as structured
+from gear_client.writers import structured_writer as structured
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.specs import TensorSpec
 
@@ -124,7 +124,7 @@ def test_infer_signature():
 
 def test_the_module_is_reverbs_structured_writer():
     import gear_client as reverb
-    from gear_client import structured_writer as sw
+    from gear_client.writers import structured_writer as sw
 
     assert reverb.structured_writer is sw
     for name in ("StructuredWriter", "Config", "Condition", "create_config", "create_reference_step",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gear_client.errors import DeadlineExceededError
-from gear_client.trajectory_writer import TrajectoryColumn, TrajectoryWriter
+from gear_client.writers.trajectory_writer import TrajectoryColumn, TrajectoryWriter
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.specs import TensorSpec, signature_to_proto
 
@@ -499,7 +499,7 @@ def test_clients_without_a_channel_use_the_stub(server, client):
 
 def test_batched_items_survive_buffer_compaction(server, client, monkeypatch):
     """Items batched while gRPC is busy reference rows a compaction moves: they are sent first."""
-    from gear_client import insert_stream
+    from gear_client.writers import insert_stream
 
     # gRPC's request thread never takes the batch itself: it goes out when full, before a compaction, or on flush.
     monkeypatch.setattr(insert_stream.InsertStream, "_take_batch", lambda self, requests: None)
@@ -618,7 +618,7 @@ def test_large_rows_of_any_memory_layout_are_stored_exactly(server, client, layo
 def test_opening_the_stream_keeps_large_buffers_in_the_heap(server, client, monkeypatch):
     # Each message is a fresh multi-MiB bytes object; the writer tunes glibc once so they reuse heap pages.
     calls = []
-    monkeypatch.setattr("gear_client.insert_stream.tune_allocator", lambda: calls.append(1) or True)
+    monkeypatch.setattr("gear_client.writers.insert_stream.tune_allocator", lambda: calls.append(1) or True)
     with TrajectoryWriter(client, 1) as w:
         assert calls == []  # nothing before the stream opens
         w.append({"r": np.int64(1)})

@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 
-from gear_client.writer import Writer
+from gear_client.writers.legacy_writer import Writer
 from gear_contract._proto import replay_pb2 as pb
 
 from ._recording import FakeClient

@@ -22,10 +22,10 @@ import numpy as np
 from gear_client.data_planes.rdma import DEFAULT_MAX_SEND_WR
 from gear_contract import addressing, nest
 from gear_contract._proto import replay_pb2 as pb
-from gear_contract.verbs import Completion, Region
+from gear_contract.rdma_verbs import Completion, Region
 from gear_server.daemon import Daemon
 from gear_server.data_planes.manager import DataPlaneManager
-from gear_server.table import ItemToInsert
+from gear_server.table.table import ItemToInsert
 
 STRUCTURE = nest.structure_of({"obs": 0, "action": 0, "reward": 0})
 ACTION, OBS, REWARD = 0, 1, 2

@@ -17,7 +17,7 @@ from gear_client.data_planes import shm as shm_module
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_server.data_planes.sessions import SessionRegistry, generations_unchanged
 from gear_server.storage import SegmentStore
-from gear_server.table import Table
+from gear_server.table.table import Table
 
 from ._support import Churn, check_batch, fill, insert, item_ok, make_item, start_daemon, table_config
 

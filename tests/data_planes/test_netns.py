@@ -27,7 +27,7 @@ STEP_S = 20
 _LEARNER = """
 import json, sys
 import gear_client as reverb
-from gear_contract import verbs
+from gear_contract import rdma_verbs as verbs
 from gear_contract.negotiation import local_host_id
 from gear_client.data_planes.sampler import PlaneSampler
 from tests.data_planes._support import check_batch, item_ok

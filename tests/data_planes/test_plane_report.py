@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gear_contract import verbs
+from gear_contract import rdma_verbs as verbs
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.config import ConfigError, parse_config
 from gear_server.daemon import Daemon

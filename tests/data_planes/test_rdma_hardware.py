@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gear_client.data_planes.sampler import PlaneSampler
-from gear_contract import verbs
+from gear_contract import rdma_verbs as verbs
 
 from ._support import check_batch, fill, start_daemon, table_config
 

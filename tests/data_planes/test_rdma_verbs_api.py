@@ -1,4 +1,4 @@
-"""gear_contract.verbs against both pyverbs APIs (fake modules shaped like each), QP depths, SL and traffic class.
+"""gear_contract.rdma_verbs against both pyverbs APIs (fake modules shaped like each), QP depths, SL and traffic class.
 
 pyverbs < 59 keeps its constants in ``pyverbs.enums`` (module attributes);
 rdma-core 59 removed that module: ``pyverbs.libibverbs_enums`` holds one enum
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gear_contract import addressing as ad
-from gear_contract import verbs
+from gear_contract import rdma_verbs as verbs
 from gear_contract._proto import replay_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_a_missing_pyverbs_is_reported_missing(monkeypatch):
 
 
 # A pyverbs 59 package on disk: the new enum module, no pyverbs.enums, and the classes
-# gear_contract.verbs imports, recording what they are built with (no device, no libibverbs).
+# gear_contract.rdma_verbs imports, recording what they are built with (no device, no libibverbs).
 _FAKE_PYVERBS = {
     "__init__.py": "",
     "pyverbs_error.py": "class PyverbsError(Exception):\n    pass\n",
@@ -125,7 +125,8 @@ _FAKE_PYVERBS = {
 
 _CHECK = """
 import json
-from gear_contract import addressing as ad, verbs
+from gear_contract import addressing as ad
+from gear_contract import rdma_verbs as verbs
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.settings import DataPlaneSettings

@@ -24,12 +24,12 @@ import pytest
 import gear_client as reverb
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract._proto import replay_pb2 as pb
-from gear_contract.insert_plane import INSERT_PLANE_METHOD, SlotWriter
 from gear_contract.negotiation import local_host_id
+from gear_contract.slot_writer import INSERT_PLANE_METHOD, SlotWriter
 from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.ingest.settings import IngestSettings
-from gear_server.layout_fitting import regrow
+from gear_server.table.fitting import regrow
 from tests.data_planes._support import STRUCTURE, insert, item_ok, make_item, table_config
 from tests.ops._support import free_port
 from tests.ops.test_metrics import parse, value
@@ -48,7 +48,7 @@ print(json.dumps(write_trajectories(address, first, count, length, dim)))
 RESERVER = """
 import sys, time
 import grpc, numpy as np
-from gear_contract.insert_plane import SlotWriter
+from gear_contract.slot_writer import SlotWriter
 from gear_contract import nest
 w = SlotWriter(grpc.insecure_channel(sys.argv[1]), reserve_ahead=8)
 specs = [(np.dtype(np.int64), (), False), (np.dtype(np.float32), (4,), False), (np.dtype(np.float32), (), False)]

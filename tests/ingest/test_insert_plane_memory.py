@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from gear_contract.insert_plane import populates_by_slot
+from gear_contract.slot_writer import populates_by_slot
 from tests.data_planes._support import insert, make_item, table_config
 from tests.ingest.test_insert_plane import ROOT, items_in_insert_order, start
 

@@ -25,14 +25,14 @@ import gear_client as reverb
 from gear_contract import rate_limiters
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from gear_server.auth import AuthSettings
-from gear_server.checkpoint_settings import CheckpointSettings
+from gear_server.checkpoint.settings import CheckpointSettings
 from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.ingest.settings import IngestSettings
-from gear_server.ingest.worker import DEFAULT_THREADS, WRITER_IDLE_S
-from gear_server.ingest.workers import WorkerPool
-from gear_server.limits import LimitSettings
+from gear_server.ingest.worker_pool import WorkerPool
+from gear_server.ingest.worker_process import DEFAULT_THREADS, WRITER_IDLE_S
+from gear_server.ops.auth import AuthSettings
+from gear_server.rpc.limits import LimitSettings
 from tests.data_planes._support import STRUCTURE, item_ok, make_item, table_config
 from tests.open_writers import run_open_writers
 from tests.ops._support import DaemonProcess

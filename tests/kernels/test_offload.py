@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gear_server.selectors import offload
-from gear_server.selectors.offload import BACKEND_ENV, Crossover, choose_path
-from gear_server.selectors.prioritized import Prioritized
+from gear_server.table.selectors import offload
+from gear_server.table.selectors.offload import BACKEND_ENV, Crossover, choose_path
+from gear_server.table.selectors.prioritized import Prioritized
 
 from ._stats import P_MIN, chi_square_p, counts
 

@@ -19,8 +19,8 @@ from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from gear_server.event_loop import LoopThread
-from gear_server.table import ItemToInsert
+from gear_server.rpc.event_loop import LoopThread
+from gear_server.table.table import ItemToInsert
 
 REPLAY = pb.DESCRIPTOR.services_by_name["ReplayService"]
 CALL_TIMEOUT_S = 10.0

@@ -1,4 +1,4 @@
-"""Bearer tokens, TLS and mutual TLS on a real loopback gRPC server (gear_server.auth, gear_client.auth)."""
+"""Bearer tokens, TLS and mutual TLS on a real loopback gRPC server (gear_server.ops.auth, gear_client.connection.auth)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import grpc
 import pytest
 
-from gear_client.auth import ChannelSecurity
-from gear_server import health
-from gear_server.auth import AuthSettings, BearerTokenInterceptor
+from gear_client.connection.auth import ChannelSecurity
+from gear_server.ops import health
+from gear_server.ops.auth import AuthSettings, BearerTokenInterceptor
 
 from ._support import call_method, replay_methods, start_server
 
@@ -147,12 +147,12 @@ def test_a_token_file_readable_by_others_is_reported(tmp_path, caplog):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="gear_server.auth"):
+    with caplog.at_level(logging.WARNING, logger="gear_server.ops.auth"):
         assert AuthSettings(token_file=str(token_file)).load_token() == TOKEN
     assert "can be read by other users" in caplog.text
     for private in (0o600, 0o640):  # 0640: group-readable by the daemon's own group (root:gear)
         caplog.clear()
         token_file.chmod(private)
-        with caplog.at_level(logging.WARNING, logger="gear_server.auth"):
+        with caplog.at_level(logging.WARNING, logger="gear_server.ops.auth"):
             AuthSettings(token_file=str(token_file)).load_token()
         assert caplog.text == "", oct(private)

@@ -12,10 +12,17 @@ import numpy as np
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
-from gear_server.checkpoint import COMPLETE, MANIFEST, REFUSED, Checkpointer, CheckpointError, CheckpointSettings
-from gear_server.operations import restore_table, table_state
+from gear_server.checkpoint.checkpointer import (
+    COMPLETE,
+    MANIFEST,
+    REFUSED,
+    Checkpointer,
+    CheckpointError,
+    CheckpointSettings,
+)
+from gear_server.daemon_ops import restore_table, table_state
 from gear_server.storage import SegmentStore
-from gear_server.table import Table
+from gear_server.table.table import Table
 
 from ._support import SHM_DIR, make_item, table_config
 
@@ -178,7 +185,7 @@ def test_corrupted_file_is_refused_and_the_previous_checkpoint_restores(tmp_path
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="fails its SHA-256 check"):
         Checkpointer.load(new)
-    with caplog.at_level(logging.ERROR, logger="gear_server.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="gear_server.checkpoint.checkpointer"):
         path, states = ckpt.load_latest()
     assert path == old and _num_items(states) == 10
     assert f"{new}" in caplog.text and "SHA-256" in caplog.text

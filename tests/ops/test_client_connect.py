@@ -73,7 +73,7 @@ def test_addresses_with_ports_and_unix_sockets_are_taken():
 def test_a_port_with_nothing_listening_names_the_address_and_refused(caplog):
     address = f"127.0.0.1:{free_port()}"
     client = gear_client.Client(address, connect_timeout=1.0, data_planes=())
-    caplog.set_level(logging.WARNING, logger="gear_client.connection")
+    caplog.set_level(logging.WARNING, logger="gear_client.connection.channel")
     error = _raises_connect_error(client.server_info, "refused", address, 1.0)
     assert "connection refused" in str(error) and "1 s" in str(error)
     assert any("waiting for the gear daemon at " + address in r.getMessage() for r in caplog.records)
@@ -153,7 +153,7 @@ def test_a_daemon_that_starts_late_and_restarts(daemon_factory, caplog):
     port = free_port()
     address = f"127.0.0.1:{port}"
     client = gear_client.Client(address, connect_timeout=60, data_planes=())
-    caplog.set_level(logging.WARNING, logger="gear_client.connection")
+    caplog.set_level(logging.WARNING, logger="gear_client.connection.channel")
     started: list[DaemonProcess] = []
     timer = threading.Timer(2.0, lambda: started.append(daemon_factory(_config(port))))
     timer.start()

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 import gear_client
-from gear_server import health
-from gear_server.checkpoint import COMPLETE, MANIFEST, REFUSED, TEST_PAUSE_ENV
+from gear_server.checkpoint.checkpointer import COMPLETE, MANIFEST, REFUSED, TEST_PAUSE_ENV
+from gear_server.ops import health
 
 from ._support import DaemonProcess, drain_queue, insert_items, tables_toml
 

@@ -12,10 +12,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gear_client
 from gear_client import errors
-from gear_client.auth import ChannelSecurity
+from gear_client.connection.auth import ChannelSecurity
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from gear_server import health
+from gear_server.ops import health
 
 from ._support import DaemonProcess, call_method, drain_queue, insert_items, replay_methods, tables_toml
 

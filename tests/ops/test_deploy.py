@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gear_server.auth import AuthSettings
-from gear_server.checkpoint import CheckpointSettings
+from gear_server.checkpoint.checkpointer import CheckpointSettings
 from gear_server.config import load_config
 from gear_server.data_planes.settings import DataPlaneSettings
-from gear_server.logs import LoggingSettings
-from gear_server.metrics import MetricsSettings
+from gear_server.ops.auth import AuthSettings
+from gear_server.ops.logs import LoggingSettings
+from gear_server.ops.metrics import MetricsSettings
 
 from ._support import ROOT
 

@@ -10,10 +10,10 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gear_server import health
-from gear_server.auth import AuthSettings
-from gear_server.interceptors import CallGuard
-from gear_server.limits import LimitSettings
+from gear_server.ops import health
+from gear_server.ops.auth import AuthSettings
+from gear_server.rpc.interceptors import CallGuard
+from gear_server.rpc.limits import LimitSettings
 
 from ._support import start_server
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics: exposition, the HTTP endpoint, bounded labels, the RPC observer (gear_server.metrics)."""
+"""Prometheus metrics: exposition, the HTTP endpoint, bounded labels, the RPC observer (gear_server.ops.metrics)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server import __version__
-from gear_server.auth import AuthSettings
-from gear_server.interceptors import RpcObserver
-from gear_server.logs import ErrorSummary
-from gear_server.metrics import (
+from gear_server.ops.auth import AuthSettings
+from gear_server.ops.logs import ErrorSummary
+from gear_server.ops.metrics import (
     MAX_TABLE_LABELS,
     METHOD_LABELS,
     MetricsServer,
     MetricsSettings,
     ServerMetrics,
 )
+from gear_server.rpc.interceptors import RpcObserver
 
 from ._support import call_method, start_server
 

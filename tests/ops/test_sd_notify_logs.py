@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from gear_server import sd_notify
-from gear_server.logs import ErrorSummary, LoggingSettings
+from gear_server.ops import sd_notify
+from gear_server.ops.logs import ErrorSummary, LoggingSettings
 
 
 def _receiver(address: str) -> socket.socket:
@@ -55,7 +55,7 @@ def test_a_dead_notify_socket_is_a_warning_not_a_crash(tmp_path, monkeypatch, ca
 
 
 def _log_in_child(env: dict[str, str], settings: str) -> str:
-    code = ("import logging; from gear_server.logs import LoggingSettings, configure_logging; "
+    code = ("import logging; from gear_server.ops.logs import LoggingSettings, configure_logging; "
             f"configure_logging(LoggingSettings.from_toml({settings})); "
             "logging.getLogger('gear_server.daemon').info('checkpoint written path=/x'); "
             "logging.getLogger('gear_server.daemon').debug('hidden'); "

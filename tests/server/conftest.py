@@ -11,7 +11,7 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.storage import SegmentStore
-from gear_server.table import ItemToInsert, Table
+from gear_server.table.table import ItemToInsert, Table
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 

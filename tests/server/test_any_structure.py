@@ -1,7 +1,7 @@
 """Tables without a signature hold items of any structure, as Reverb's (issue 12.3).
 
 The first item's layout keeps the fast column slots; items of another structure,
-dtype or step shape are kept beside it (gear_server/side_items.py) and come back
+dtype or step shape are kept beside it (gear_server/table/side_store.py) and come back
 with their own dtypes and shapes. Selection, leases, the rate limiter and Reverb's
 semantics do not change; such items travel inline only.
 """
@@ -15,7 +15,7 @@ import pytest
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import NeedsInlinePlane
-from gear_server.table import ItemToInsert
+from gear_server.table.table import ItemToInsert
 from tests.server.conftest import LEAF, make_table
 
 KINDS = [np.arange(12, dtype=np.float32).reshape(3, 4), np.array([5, 6], np.int64), np.array([True, False, True])]

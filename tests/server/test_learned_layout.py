@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
-from gear_server.table import ItemToInsert
+from gear_server.table.table import ItemToInsert
 from tests.server.conftest import LEAF, OBS_ACT, check_item_data, item, make_table
 
 PAIR = pb.Structure(kind=pb.Structure.TUPLE, children=[pb.Structure(), pb.Structure()])

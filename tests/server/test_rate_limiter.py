@@ -9,7 +9,7 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import RateLimiterTimeout, TableClosedError
-from gear_server.rate_limiter import RateLimiter, deadline_after
+from gear_server.table.rate_limiter import RateLimiter, deadline_after
 from tests.server.conftest import MAX_FLOAT, MIN_FLOAT, item, make_table
 
 
@@ -259,7 +259,7 @@ def test_event_loop_waits_hold_no_thread_and_keep_reverbs_stats(store):
     """Calls from an event loop wait on the limiter without a thread; stats count each call once."""
     import asyncio
 
-    from gear_server.table_calls import TableCalls
+    from gear_server.rpc.table_calls import TableCalls
 
     rl = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=100.0)
     table = make_table(store, rate_limiter=rl)
@@ -292,7 +292,7 @@ def test_event_loop_waits_hold_no_thread_and_keep_reverbs_stats(store):
 def test_event_loop_timeout_cancel_and_partial_batch(store):
     import asyncio
 
-    from gear_server.table_calls import TableCalls
+    from gear_server.rpc.table_calls import TableCalls
 
     rl = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=100.0)
     table = make_table(store, rate_limiter=rl)
@@ -326,7 +326,7 @@ def test_event_loop_timeout_cancel_and_partial_batch(store):
 
 def test_a_woken_waiter_that_leaves_passes_the_wake_on(store):
     """The limiter wakes as many waiters as it allows; one that left meanwhile hands its wake to the next."""
-    from gear_server.rate_limiter import WaitTicket, WouldBlock
+    from gear_server.table.rate_limiter import WaitTicket, WouldBlock
 
     rl = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=100.0)
     table = make_table(store, rate_limiter=rl)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gear_server.sampling import count_picks, find_repeats, held_of
-from gear_server.selectors import Prioritized, Uniform
-from gear_server.slots import ItemMetadata, SlotBook
+from gear_server.table.picks import count_picks, find_repeats, held_of
+from gear_server.table.selectors import Prioritized, Uniform
+from gear_server.table.slots import ItemMetadata, SlotBook
 from tests.server.conftest import chi2_critical, chi2_statistic, item, make_table
 
 

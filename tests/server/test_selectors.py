@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
-from gear_server.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform, make_selector
-from gear_server.selectors.prioritized import block_size_for
+from gear_server.table.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform, make_selector
+from gear_server.table.selectors.prioritized import block_size_for
 from tests.server.conftest import chi2_critical, chi2_statistic
 
 
@@ -110,7 +110,7 @@ def test_prioritized_updates_and_deletes_change_distribution():
 def test_prioritized_batched_updates_keep_the_mass_exact_however_their_block_sums_are_deferred(monkeypatch):
     """update_many leaves block sums to the next read; a single update, a delete, a resize and the
     fold past STALE_SLOTS_MAX in between never leave a stale sum behind."""
-    import gear_server.selectors.prioritized as prioritized
+    import gear_server.table.selectors.prioritized as prioritized
 
     monkeypatch.setattr(prioritized, "STALE_SLOTS_MAX", 300)
     sel = Prioritized(4000, priority_exponent=0.5)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gear_contract._proto import replay_pb2 as pb
-from gear_server.table import ItemToInsert
+from gear_server.table.table import ItemToInsert
 from tests.server.conftest import LEAF, make_table
 
 ONE_LIST = pb.Structure(kind=pb.Structure.LIST, children=[pb.Structure()])

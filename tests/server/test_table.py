@@ -11,7 +11,7 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import RateLimiterTimeout, TableClosedError
-from gear_server.table import ItemToInsert, Table, TableSnapshot, count_leaves, leaf_paths
+from gear_server.table.table import ItemToInsert, Table, TableSnapshot, count_leaves, leaf_paths
 from tests.server.conftest import (
     LEAF,
     MIN_FLOAT,

@@ -19,7 +19,7 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import ShmExhausted
-from gear_server.table import ItemToInsert
+from gear_server.table.table import ItemToInsert
 from tests.server.conftest import make_table
 
 ITEM_BYTES = 15_000

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "alias" / "reverb"))
 
 import reverb  # noqa: E402 - after the skip: these tests need TensorFlow
 
-from gear_client import tf_datasets  # noqa: E402
+from gear_client.tf import datasets as tf_datasets  # noqa: E402
 
 T = 4
 Step = collections.namedtuple("Step", ["observation", "action", "reward"])  # a TF-Agents-like Trajectory
@@ -276,7 +276,7 @@ def test_gear_client_keeps_python_datasets_and_exports_the_tf_ones():
 
     assert reverb.TrajectoryDataset is tf_datasets.TrajectoryDataset
     assert gear_client.TrajectoryDataset is not tf_datasets.TrajectoryDataset
-    assert gear_client.tf_datasets.TimestepDataset is reverb.TimestepDataset
+    assert gear_client.tf.datasets.TimestepDataset is reverb.TimestepDataset
     assert gear_client.ReplayDataset is reverb.ReplayDataset
 
 

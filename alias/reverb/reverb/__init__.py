@@ -4,7 +4,7 @@ Every public name (``reverb.Client``, ``reverb.Table``...) is gear_client's, and
 Reverb's modules map to gear's (``from reverb import structured_writer``,
 ``reverb.rate_limiters``...; gear_client.REVERB_MODULES lists them). With
 TensorFlow installed, ``reverb.TrajectoryDataset`` and ``reverb.TimestepDataset``
-are Reverb's tf.data datasets (gear_client.tf_datasets), as Reverb code expects.
+are Reverb's tf.data datasets (gear_client.tf.datasets), as Reverb code expects.
 Nothing is copied: this package only forwards, so it follows the installed gear.
 """
 

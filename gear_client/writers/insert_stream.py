@@ -1,0 +1,481 @@
+"""The writer's transport over gRPC: ``InsertStream`` calls that survive a daemon restart.
+
+``InsertStream.send_item`` is the one place where an encoded item (its new
+chunks and its ``PrioritizedItem`` bytes) is handed to the transport.
+Requests are framed by hand around the chunks' raw buffers
+(gear_contract/wire.py) and batched: gRPC's request thread takes the batch
+whenever it is idle, so items go out in the background as soon as they are
+created, flush or not; under load many items share one message.
+
+The transport keeps what a new call would need: every chunk the server must
+still hold (live, or released while an item that uses it is unacknowledged),
+as the bytes it was sent in, and every unacknowledged item. A call that ends
+with UNAVAILABLE (a daemon restarting, a network cut) or ends early is
+transient: a thread waits for the daemon with back-off, opens a new call and
+resends the chunks and the unacknowledged items (same keys; an item the
+daemon already holds is not inserted twice), then carries on. Items still
+unacknowledged after ``reconnect_timeout_s`` without a daemon are given up:
+the writer's next call raises ``ItemsNotInsertedError`` naming their keys.
+Any other status is the writer's next call's error, as in Reverb.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import grpc
+
+from gear_client.writers.chunker import NewChunk
+from gear_client.writers.routes import ingest_channel
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.allocator import tune_allocator
+from gear_contract.wire import encode_release_keys, mark_resend
+
+__all__ = ["InsertStream", "close_stream"]
+
+log = logging.getLogger(__name__)
+
+# Requests group chunks up to this size (gRPC's default limit is 4 MiB; the daemon takes more).
+MAX_REQUEST_BYTES = 3 << 20
+# Under load, items are batched into requests of about this size.
+BATCH_BYTES = 2 << 20
+_CLOSE_TIMEOUT_S = 2.0
+# Waiting for a daemon that went away: back-off between failed calls; waiters look at the clock this often.
+_POLL_S = 0.5
+_MIN_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 1.0
+_INSERT_STREAM_METHOD = "/gear.v1.ReplayService/InsertStream"
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+class _Pending(NamedTuple):
+    """An item sent and not yet acknowledged: its order, its encoded field, its chunk bytes."""
+
+    seq: int
+    item: bytes
+    nbytes: int
+    created_at: float  # time.monotonic() when the writer handed it over
+
+
+def _open_insert_stream(client: Any, channel: grpc.Channel | None = None) -> tuple[Any, bool]:
+    """The InsertStream multicallable, and whether it takes encoded bytes.
+
+    On ``channel`` (an ingest worker's) or the client's channel the writer sends its hand-encoded
+    bytes as they are; through the stub (no channel) they are parsed into a message first.
+    """
+    channel = channel or getattr(client, "_channel", None)
+    if isinstance(channel, grpc.Channel):
+        return channel.stream_stream(_INSERT_STREAM_METHOD, request_serializer=None,
+                                     response_deserializer=pb.InsertStreamResponse.FromString), True
+    return client._stub.InsertStream, False
+
+
+class InsertStream:
+    """InsertStream calls of one writer: batches, acknowledgements, reconnection and resending.
+
+    Everything below is guarded by ``_cond``. Holds no reference to the
+    writer, so a dropped writer is collected and its finalizer ends the stream.
+    """
+
+    def __init__(self, client: Any, reconnect_timeout_s: float):
+        self._cond = threading.Condition()
+        self._reconnect_timeout_s = float(reconnect_timeout_s)
+        # An ingest worker of the daemon when it runs some (gear_client/writers/routes.py). After an outage
+        # the writer reconnects to the daemon itself: a restarted daemon's workers listen on other ports.
+        self._client = client
+        self._ingest_channel = ingest_channel(client)
+        self._open_call, self._raw = _open_insert_stream(client, self._ingest_channel)
+        self._calls_opened = 0
+        self.address = str(getattr(client, "server_address", "the daemon"))  # for messages
+        self.pending: dict[int, _Pending] = {}  # item key -> what a new call would resend, in send order
+        self.in_flight_bytes = 0
+        self._seq = 0  # items submitted so far
+        self._chunks: dict[int, memoryview] = {}  # chunk key -> its encoded field as sent (head + rows)
+        self._released: deque[tuple[int, int]] = deque()  # (items submitted before, chunk key) still kept
+        self.batch: list | None = None  # pieces of the next message (bytes, or views of column buffers)
+        self.batch_bytes = 0
+        self._batch_chunks: list[tuple[int, int, int]] = []  # (chunk key, offset in the batch, length)
+        self._batch_items: list[tuple[int, bytes, int, float]] = []  # (key, encoded item, chunk bytes, created at)
+        self._batch_releases: list[int] = []
+        self._queue: queue.SimpleQueue | None = None  # the current call's requests
+        self._call: Any = None
+        self._in_call = False
+        self._sender_idle = False  # the current call's request thread waits for the next request
+        self.error: BaseException | None = None  # a non-transient failure, for the writer's next call
+        self.lost = 0  # items the failed call took with it
+        self.failed_keys: list[int] = []  # items given up after the reconnect timeout
+        self._outage_since: float | None = None
+        self._wanted = False  # a request waits for a call (after a non-transient failure)
+        self._closing = False
+        self.done = False
+        # Every message is a fresh multi-MiB bytes object (the batch joined): keep freed ones in the heap
+        # so the next is not faulted in (and zeroed) page by page. Measured +3-4 % writer throughput.
+        tune_allocator()
+        with self._cond:
+            first = self._open_locked()
+        self._thread = threading.Thread(target=self._run, args=(first,), name="gear-insert-stream", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the seam --
+    def send_item(self, chunks: list[NewChunk], key: int, item: bytes, releases: Sequence[int] = ()) -> None:
+        """Hand one encoded item to the transport: its new chunks, then the item (and chunk keys to release).
+
+        Chunks stay views of the column buffers until the batch is joined into
+        one message; the item is an encoded ``InsertStreamRequest.items`` field
+        appended after them (concatenated messages merge).
+        """
+        nbytes = sum(len(c.head) + c.data.nbytes for c in chunks)
+        with self._cond:
+            start = 0
+            remaining = nbytes
+            # Chunks beyond one request's worth go first, in requests of their own.
+            while remaining > MAX_REQUEST_BYTES and len(chunks) - start > 1:
+                size = 0
+                group = start
+                while len(chunks) - group > 1 and (group == start or size + len(chunks[group].head)
+                                                   + chunks[group].data.nbytes <= MAX_REQUEST_BYTES):
+                    size += len(chunks[group].head) + chunks[group].data.nbytes
+                    group += 1
+                self._reserve(size)
+                self._add_chunks(chunks[start:group])
+                self._submit()
+                remaining -= size
+                start = group
+            tail = encode_release_keys(releases)
+            self._reserve(remaining + len(item) + len(tail))
+            self._add_chunks(chunks[start:])
+            self.batch.append(item)
+            self._batch_items.append((key, item, nbytes, time.monotonic()))
+            if releases:
+                self.batch.append(tail)
+                self._batch_releases.extend(releases)
+            self.batch_bytes += len(item) + len(tail)
+            self.in_flight_bytes += nbytes
+            if self.batch_bytes >= BATCH_BYTES or self._sender_idle:
+                self._submit()
+
+    def send_releases(self, keys: Sequence[int]) -> None:
+        """Release chunks, and send whatever waits in the batch."""
+        with self._cond:
+            if keys:
+                tail = encode_release_keys(keys)
+                self._reserve(len(tail))
+                self.batch.append(tail)
+                self.batch_bytes += len(tail)
+                self._batch_releases.extend(keys)
+            self._submit()
+
+    def release_views(self, start: int, end: int) -> None:
+        """Send the batch if it views bytes in [start, end) (a column buffer about to be overwritten)."""
+        with self._cond:
+            for piece in self.batch or ():
+                if type(piece) is memoryview:
+                    address = piece.obj.ctypes.data
+                    if address < end and address + piece.nbytes > start:
+                        self._submit()
+                        return
+
+    # ------------------------------------------------------------ batches --
+    def _reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` more in the batch (sending a full one first); ``batch_bytes`` counts them."""
+        if self.batch is not None and self.batch_bytes + nbytes > MAX_REQUEST_BYTES:
+            self._submit()
+        if self.batch is None:
+            self.batch = []
+            self.batch_bytes = 0
+
+    def _add_chunks(self, chunks: Sequence[NewChunk]) -> None:
+        batch = self.batch
+        offset = self.batch_bytes
+        for chunk in chunks:
+            length = len(chunk.head) + chunk.data.nbytes
+            self._batch_chunks.append((chunk.key, offset, length))
+            batch += (chunk.head, chunk.data)
+            offset += length
+        self.batch_bytes = offset
+
+    def _submit(self) -> None:
+        """Join the batch into one message (copying the column views), keep what a resend needs, queue it."""
+        batch, self.batch = self.batch, None
+        if not batch:
+            return
+        message = b"".join(batch)
+        whole = memoryview(message)
+        for key, offset, length in self._batch_chunks:
+            self._chunks[key] = whole[offset:offset + length]
+        for key, item, nbytes, created_at in self._batch_items:
+            self.pending[key] = _Pending(self._seq, item, nbytes, created_at)
+            self._seq += 1
+        for key in self._batch_releases:
+            self._released.append((self._seq, key))
+        self._batch_chunks, self._batch_items, self._batch_releases = [], [], []
+        self._sender_idle = False
+        self._queue.put(message if self._raw else pb.InsertStreamRequest.FromString(message))
+
+    def _take_batch(self, requests: queue.SimpleQueue) -> Any:
+        """The next request of the call reading ``requests``: the batch if it is that call's turn, else None."""
+        with self._cond:
+            if requests is not self._queue:
+                return None
+            if self.batch:
+                self._submit()
+                try:
+                    return requests.get_nowait()
+                except queue.Empty:
+                    return None
+            self._sender_idle = True
+            return None
+
+    def _requests(self, requests: queue.SimpleQueue) -> Iterator[Any]:
+        while True:
+            try:
+                request = requests.get_nowait()
+            except queue.Empty:
+                request = self._take_batch(requests)
+                if request is None:
+                    request = requests.get()
+            if request is None:
+                return
+            yield request
+
+    # ------------------------------------------------------------- calls --
+    def _run(self, first: tuple[Any, queue.SimpleQueue]) -> None:
+        """Read acknowledgements; after a transient end, wait for the daemon, open a new call and resend."""
+        failures = 0
+        call, requests = first
+        try:
+            while True:
+                error = self._read_acks(call)
+                with self._cond:
+                    self._in_call = False
+                    requests.put(None)  # ends the call's request thread
+                    if self._closing:
+                        return
+                    code = error.code() if isinstance(error, grpc.RpcError) else None
+                    if error is None or code in _TRANSIENT:
+                        if self._outage_since is None:
+                            self._outage_since = time.monotonic()
+                            log.warning("insert stream to %s lost (%s); %d items unacknowledged: reconnecting, "
+                                        "then resending them", self.address, _describe(error), len(self.pending))
+                    else:
+                        self._fail_call_locked(error)
+                        while not self._wanted and not self._closing:
+                            self._cond.wait()
+                        failures = -1
+                failures += 1
+                if failures and not self._await_daemon(min(_MAX_BACKOFF_S, _MIN_BACKOFF_S * 2 ** (failures - 1))):
+                    return
+                with self._cond:
+                    if self._closing:
+                        return
+                    call, requests = self._open_locked()
+                    resent = len(self.pending)
+                if resent:
+                    log.info("insert stream to %s reopened: %d items resent", self.address, resent)
+        finally:
+            with self._cond:
+                self.done = True
+                self._in_call = False
+                self._cond.notify_all()
+
+    def _open_locked(self) -> tuple[Any, queue.SimpleQueue]:
+        """A new call whose first requests resend what the server must hold (called under the lock)."""
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = requests
+        self._wanted = False
+        self._sender_idle = False
+        # Items sent before may be in the table already (inserted, the acknowledgement lost): marked as
+        # resent, the table leaves an existing key as it is.
+        pieces = list(self._chunks.values()) + [mark_resend(p.item) for p in self.pending.values()]
+        kept = [key for _, key in self._released]
+        if kept:
+            pieces.append(encode_release_keys(kept))
+        message: list = []
+        size = 0
+        for piece in pieces:
+            if message and size + len(piece) > MAX_REQUEST_BYTES:
+                self._queue.put(self._request(message))
+                message, size = [], 0
+            message.append(piece)
+            size += len(piece)
+        if message:
+            self._queue.put(self._request(message))
+        # Fail-fast: a call to a daemon that is away fails at once, before it sends anything, and the
+        # thread tries again; so nothing queued here goes out after its items were given up.
+        if self._calls_opened and self._ingest_channel is not None:
+            self._open_call, self._raw = _open_insert_stream(self._client)
+            self._ingest_channel.close()
+            self._ingest_channel = None
+        self._calls_opened += 1
+        call = self._open_call(self._requests(requests), wait_for_ready=False)
+        self._call = call
+        self._in_call = True
+        return call, requests
+
+    def _request(self, pieces: list) -> Any:
+        message = b"".join(pieces)
+        return message if self._raw else pb.InsertStreamRequest.FromString(message)
+
+    def _read_acks(self, call: Any) -> BaseException | None:
+        try:
+            for response in call:
+                with self._cond:
+                    pending = self.pending
+                    for key in response.keys:
+                        entry = pending.pop(key, None)
+                        if entry is not None:
+                            self.in_flight_bytes -= entry.nbytes
+                    self._outage_since = None
+                    self._drop_released_locked()
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - an RpcError, or anything else: reported, never lost
+            return e
+        return None
+
+    def _drop_released_locked(self) -> None:
+        """Forget released chunks that no unacknowledged item uses."""
+        oldest = next(iter(self.pending.values())).seq if self.pending else self._seq
+        released = self._released
+        while released and released[0][0] <= oldest:
+            self._chunks.pop(released.popleft()[1], None)
+
+    def _fail_call_locked(self, error: BaseException) -> None:
+        """A non-transient end: the writer's next call raises it; its unacknowledged items are lost."""
+        self.error = error
+        self.lost += len(self.pending)
+        self.pending.clear()
+        self.in_flight_bytes = sum(item[2] for item in self._batch_items)
+        self._drop_released_locked()
+        self._cond.notify_all()
+
+    def _await_daemon(self, backoff: float) -> bool:
+        """Wait ``backoff`` before the next call (giving up items that are due); False when closing."""
+        deadline = time.monotonic() + backoff
+        with self._cond:
+            while True:
+                self._expire_locked()
+                if self._closing:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return True
+                self._cond.wait(remaining)
+
+    def _expire_locked(self) -> None:
+        """Give up the items unacknowledged for the reconnect timeout while the daemon has been away as long.
+
+        Only between calls: an open call may still deliver them.
+        """
+        if self._outage_since is None or self._in_call:
+            return
+        limit = time.monotonic() - self._reconnect_timeout_s
+        if self._outage_since > limit:
+            return
+        self._submit()  # items in the batch may be due too (their chunks are kept for later items)
+        expired = []
+        for key, entry in self.pending.items():
+            if entry.created_at > limit:
+                break  # created in order: the rest are younger
+            expired.append(key)
+        if not expired:
+            return
+        for key in expired:
+            self.in_flight_bytes -= self.pending.pop(key).nbytes
+        self.failed_keys.extend(expired)
+        self._drop_released_locked()
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------ writers --
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending) + len(self._batch_items)
+
+    def take_failure(self) -> tuple[BaseException | None, int, list[int]]:
+        """(the non-transient error, items it lost, keys given up) since the last call; clears them."""
+        with self._cond:
+            self._expire_locked()
+            error, lost, failed = self.error, self.lost, self.failed_keys
+            self.error, self.lost, self.failed_keys = None, 0, []
+            if error is not None:
+                self._wanted = True  # the next request gets a new call
+                self._cond.notify_all()
+            return error, lost, failed
+
+    def wait(self, max_items: int, max_bytes: int, deadline: float | None) -> bool:
+        """Block until at most max_items (and max_bytes) are in flight; False on timeout.
+
+        Returns True early when the stream failed, gave items up or ended (the caller checks).
+        """
+        with self._cond:
+            if self.in_flight > max_items or (self.in_flight and self.in_flight_bytes > max_bytes):
+                self._submit()  # what we wait for may sit in the batch (acks only lower the counts)
+            while len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
+                if self.done or self.error is not None or self.failed_keys:
+                    return True
+                self._expire_locked()
+                if self.failed_keys:
+                    return True
+                timeout = _POLL_S
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    timeout = min(timeout, remaining)
+                self._cond.wait(timeout)
+            return True
+
+    def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
+        """Half-close (the server finishes what it got); cancel if it has not finished within ``timeout``."""
+        with self._cond:
+            self._submit()
+            self._closing = True  # no reconnecting from here on
+            if self._queue is not None:
+                self._queue.put(None)
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._cancel()
+            self._thread.join(timeout)
+        if self._ingest_channel is not None:
+            self._ingest_channel.close()
+
+    def abort(self) -> None:
+        """Cancel at once (when the writer is dropped); once only.
+
+        A writer dropped at interpreter exit is aborted twice (by its finalizer at
+        exit, then by ``__del__``), and gRPC calls made while the interpreter
+        finalizes can block forever.
+        """
+        with self._cond:
+            if self._closing:
+                return  # aborted already, or closed
+            self._closing = True
+            self.batch = None
+            if self._queue is not None:
+                self._queue.put(None)
+            self._cond.notify_all()
+        self._cancel()
+
+    def _cancel(self) -> None:
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._ingest_channel is not None:
+            self._ingest_channel.close()
+
+
+def _describe(error: BaseException | None) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return "the daemon ended the stream" if error is None else str(error)
+
+
+def close_stream(stream: InsertStream | None) -> None:
+    if stream is not None and not stream.done:
+        stream.abort()

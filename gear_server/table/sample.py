@@ -1,0 +1,165 @@
+"""A table's sample path: picks counted as Reverb's one-by-one samples, leased, then read.
+
+``sample`` picks under the rate limiter (blocking between picks as needed) and
+leases the picked slots; a leased slot is never rewritten, so the items are read
+(``read``, ``slot_views``, ``item_groups``) outside the lock until ``release``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from gear_server.errors import CallCancelled, NeedsInlinePlane, RateLimiterTimeout, TableClosedError
+from gear_server.table.columns import gather
+from gear_server.table.columns import slot_views as column_slot_views
+from gear_server.table.core import Abandoned, TableCore
+from gear_server.table.items import ColumnSpec
+from gear_server.table.picks import Picks, count_picks, held_of
+from gear_server.table.rate_limiter import deadline_after
+from gear_server.table.read_groups import ItemGroup, group_items
+from gear_server.table.side_store import SideItem
+
+
+@dataclass
+class Selection:
+    """Items picked by one ``sample`` call (leased until ``release(lease_id)``)."""
+
+    slots: np.ndarray  # int64[n]
+    generations: np.ndarray  # uint64[n]
+    lengths: np.ndarray  # int32[n, C]
+    keys: np.ndarray  # uint64[n]
+    probabilities: np.ndarray  # float64[n]
+    table_sizes: np.ndarray  # int64[n]
+    priorities: np.ndarray  # float64[n]
+    times_sampled: np.ndarray  # int32[n]
+    lease_id: int
+    layout_version: int
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def sample(st: TableCore, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
+           by_reference: bool = False) -> Selection:
+    """Pick ``num_samples`` items, each as if sampled alone, and lease their slots (``Table.sample``)."""
+    n = int(num_samples)
+    if n < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    deadline = deadline_after(timeout)
+    batches: list[Picks] = []
+    taken = 0
+    rl = st.rate_limiter
+
+    def has_items() -> bool:
+        return bool(st.slots.key_to_slot)
+
+    with st.lock:
+        st.check_open()
+        while taken < n:
+            k = rl.samples_allowed_now(n - taken) if st.slots.key_to_slot else 0
+            if k == 0:
+                try:
+                    rl.await_sample(deadline, ready=has_items, abandoned=abandoned)
+                except RateLimiterTimeout:
+                    if taken:
+                        break
+                    raise
+                except (TableClosedError, CallCancelled):
+                    for picks in batches:
+                        st.unlease(picks.held)
+                    raise
+                k = 1
+            if by_reference and st.side:
+                if taken:
+                    break
+                raise NeedsInlinePlane(f"table '{st.name}' holds items of {_layouts_held(st)} layouts "
+                                       "(structures, dtypes or step shapes); they are read inline")
+            t0 = time.perf_counter()
+            picks = _pick(st, k)
+            batches.append(picks)
+            got = len(picks.slots)
+            taken += got
+            rl.sampled(got)
+            st.worker_time_s += time.perf_counter() - t0
+        if len(batches) == 1:
+            slots, keys, probs, sizes, priorities, times, generations = batches[0].chunk
+            held = batches[0].held
+        else:
+            slots, keys, probs, sizes, priorities, times, generations = (
+                np.concatenate(parts) for parts in zip(*(p.chunk for p in batches), strict=True))
+            held = held_of(slots)
+        lease_id = st.slots.lease(held)
+        return Selection(
+            slots=slots, generations=generations, lengths=st.meta.length.take(slots, axis=0), keys=keys,
+            probabilities=probs, table_sizes=sizes, priorities=priorities, times_sampled=times,
+            lease_id=lease_id, layout_version=st.columns.version,
+        )
+
+
+def _layouts_held(st: TableCore) -> int:
+    return len({item.layout_key for item in st.side.items.values()}) + (len(st.side) < len(st.slots))
+
+
+def _pick(st: TableCore, k: int) -> Picks:
+    """Up to k picks that see the same table (lock held); stops after a pick that deletes its item."""
+    slots, probs, repeats = st.sampler.sample_with_repeats(k, st.rng)
+    picks = count_picks(st.meta, slots, probs, st.max_times_sampled, len(st.slots), repeats)
+    st.num_unique_samples += picks.first_samples
+    if picks.deletes_last:
+        st.delete_slot(int(picks.slots[-1]))
+    return picks
+
+
+# ---------------------------------------------------------------------- reading leased items
+def read(st: TableCore, selection: Selection) -> list[np.ndarray]:
+    """Copy the selected items' bytes: per column, the items' steps concatenated (``Table.read``)."""
+    views, specs, side = _leased_views(st, selection)
+    if side:
+        raise ValueError("the selection holds items of other layouts than the table's columns: use item_groups")
+    return gather(views, specs, selection.slots, selection.lengths)
+
+
+def slot_views(st: TableCore, selection: Selection) -> list[list[np.ndarray]]:
+    """Per column, one no-copy view per selected item of its steps (``Table.slot_views``)."""
+    views, specs, side = _leased_views(st, selection)
+    if side:
+        raise ValueError("the selection holds items of other layouts than the table's columns: use item_groups")
+    return column_slot_views(views, specs, selection.slots, selection.lengths)
+
+
+def item_groups(st: TableCore, selection: Selection) -> list[ItemGroup]:
+    """The selected items in runs that share one layout, in selection order (``Table.item_groups``)."""
+    views, specs, side = _leased_views(st, selection)
+    with st.lock:
+        structure = st.columns.layout.structure
+    return group_items(selection.slots, selection.lengths, views, specs, structure, side)
+
+
+def _leased_views(st: TableCore, selection: Selection
+                  ) -> tuple[list[np.ndarray], list[ColumnSpec], dict[int, SideItem]]:
+    """The column views and specs to read ``selection`` from, once its lease is confirmed held,
+    and the selected side items by slot.
+
+    Read outside the lock: leased slots are never rewritten, and each view holds an
+    export of its mapping, so a segment replaced meanwhile (growth) stays mapped.
+    """
+    with st.lock:
+        st.check_open()
+        if selection.lease_id not in st.slots.leases:
+            raise ValueError(f"lease {selection.lease_id} is not held on table '{st.name}'")
+        side = {}
+        if st.side:
+            items = st.side.items
+            side = {s: items[s] for s in selection.slots.tolist() if s in items}
+        return st.columns.views, st.columns.specs, side
+
+
+def release(st: TableCore, lease_id: int) -> None:
+    """End a lease (unknown or already released ids are ignored)."""
+    with st.lock:
+        held = st.slots.leases.pop(int(lease_id), None)
+        if held is not None:
+            st.unlease(held)
