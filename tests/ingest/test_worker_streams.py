@@ -380,7 +380,7 @@ def test_a_streams_read_ahead_is_bounded_in_requests_and_bytes():
     (one request always) and READ_AHEAD_REQUESTS waiting: past that it stops reading the stream."""
     import asyncio
 
-    from gear_server.ingest import worker
+    from gear_server.ingest import worker_process as worker
 
     big = pb.InsertStreamRequest(chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(data=b"\0" * (3 << 20)))])
     small = pb.InsertStreamRequest(release_chunk_keys=[7])
