@@ -135,7 +135,7 @@ $(TF_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(TF_VENV)
 	$(TF_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TF_VENV)/bin/python -m pip install -q -e '.[dev,tf]'
-	# TF-Agents itself (tests/tf_learners/test_tf_agents.py). --no-deps: it pins typing-extensions==4.5
+	# TF-Agents itself (tests/client/tf/test_tf_agents.py). --no-deps: it pins typing-extensions==4.5
 	# (grpcio needs >= 4.12) and tf-keras would pull a second TensorFlow; what it imports is listed.
 	$(TF_VENV)/bin/python -m pip install -q --no-deps tf-agents==0.19.0 tf-keras==2.21.0
 	$(TF_VENV)/bin/python -m pip install -q gin-config "gym==0.23.0" "tensorflow-probability==0.23.0" cloudpickle \
@@ -143,7 +143,7 @@ $(TF_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-tf: $(TF_VENV)/.installed
-	$(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/tf_learners tests/test_readme.py
+	$(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/client/tf tests/test_readme.py
 
 serve: install
 	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml

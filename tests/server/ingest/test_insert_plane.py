@@ -32,9 +32,9 @@ from gear_server.ingest.settings import IngestSettings
 from gear_server.table.fitting import regrow
 from tests.data_planes._support import STRUCTURE, insert, item_ok, make_item, table_config
 from tests.ops._support import free_port
-from tests.ops.test_metrics import parse, value
+from tests.server.ops.test_metrics import parse, value
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _instances = iter(range(1 << 30))
 
 ACTOR = """

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.tf
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("tree")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "alias" / "reverb"))
 
 import reverb  # noqa: E402 - after the skip: these tests need TensorFlow

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 import gear_client
+from tests.ops._support import DaemonProcess, drain_queue, free_port, insert_items, tables_toml
 
-from ._support import DaemonProcess, drain_queue, free_port, insert_items, tables_toml
 from .test_metrics import parse, scrape, value
 
 

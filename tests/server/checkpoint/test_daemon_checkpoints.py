@@ -14,8 +14,7 @@ import pytest
 import gear_client
 from gear_server.checkpoint.checkpointer import COMPLETE, MANIFEST, REFUSED, TEST_PAUSE_ENV
 from gear_server.ops import health
-
-from ._support import DaemonProcess, drain_queue, insert_items, tables_toml
+from tests.ops._support import DaemonProcess, drain_queue, insert_items, tables_toml
 
 
 def _config(tmp_path, **checkpoint) -> str:

@@ -21,7 +21,7 @@ import pytest
 import gear_client as reverb
 from gear_server.config import ConfigError, load_config, parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "gear-server.example.toml"
 PROMPT_S = 20.0
 

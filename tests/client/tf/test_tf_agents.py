@@ -18,7 +18,7 @@ import pytest
 pytestmark = [pytest.mark.tf,
               pytest.mark.skipif(importlib.util.find_spec("tf_agents") is None, reason="tf_agents is not installed")]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = r"""
 import numpy as np

@@ -23,8 +23,7 @@ from gear_server.checkpoint.checkpointer import (
 from gear_server.daemon_ops import restore_table, table_state
 from gear_server.storage import SegmentStore
 from gear_server.table.table import Table
-
-from ._support import SHM_DIR, make_item, table_config
+from tests.ops._support import SHM_DIR, make_item, table_config
 
 SELECTORS = {
     "uniform": pb.SelectorOptions(uniform=True),

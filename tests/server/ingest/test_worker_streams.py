@@ -36,7 +36,7 @@ from gear_server.rpc.limits import LimitSettings
 from tests.data_planes._support import STRUCTURE, item_ok, make_item, table_config
 from tests.open_writers import run_open_writers
 from tests.ops._support import DaemonProcess
-from tests.test_control_plane import HeldStream, chunk_request, exhaust_chunk_budgets
+from tests.server.rpc.test_control_plane import HeldStream, chunk_request, exhaust_chunk_budgets
 
 from .test_insert_plane import items_in_insert_order, slots_accounted
 

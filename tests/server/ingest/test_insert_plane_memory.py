@@ -18,7 +18,7 @@ import pytest
 
 from gear_contract.slot_writer import populates_by_slot
 from tests.data_planes._support import insert, make_item, table_config
-from tests.ingest.test_insert_plane import ROOT, items_in_insert_order, start
+from tests.server.ingest.test_insert_plane import ROOT, items_in_insert_order, start
 
 pytestmark = pytest.mark.skipif(not populates_by_slot(), reason="kernel without MADV_POPULATE_READ (Linux < 5.14)")
 

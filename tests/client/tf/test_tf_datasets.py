@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.tf
 tf = pytest.importorskip("tensorflow")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Acme and TF-Agents say `import reverb`: the alias distribution's package, from the source tree.
 sys.path.insert(0, str(ROOT / "alias" / "reverb"))
 

@@ -21,8 +21,7 @@ from gear_server.ops.metrics import (
     ServerMetrics,
 )
 from gear_server.rpc.interceptors import RpcObserver
-
-from ._support import call_method, start_server
+from tests.ops._support import call_method, start_server
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
 

@@ -16,8 +16,7 @@ from gear_client.connection.auth import ChannelSecurity
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_server.ops import health
-
-from ._support import DaemonProcess, call_method, drain_queue, insert_items, replay_methods, tables_toml
+from tests.ops._support import DaemonProcess, call_method, drain_queue, insert_items, replay_methods, tables_toml
 
 TOKEN = "daemon-test-token-0123456789"
 
