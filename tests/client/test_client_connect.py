@@ -19,7 +19,9 @@ import pytest
 import gear_client
 from gear_client import errors
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from tests.ops._support import DaemonProcess, free_port, insert_items, tables_toml
+from tests.support.daemon_process import DaemonProcess
+from tests.support.ports import free_port
+from tests.support.tables_toml import insert_items, tables_toml
 
 TOKEN = "connect-test-token-0123456789"
 SLACK_S = 4.0  # a call gives up within connect_timeout + this (one diagnosis probe, a loaded 2-core machine)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._support import reverb, standard_tables
+from tests.support.compat import reverb, standard_tables
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from ._support import (
+from tests.support.compat import (
     BACKEND,
     PROMPT_S,
     contents,

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ._support import BACKEND, PROMPT_S, info_of, reverb, sample_one, sampled_keys, spec
+from tests.support.compat import BACKEND, PROMPT_S, info_of, reverb, sample_one, sampled_keys, spec
 
 
 def test_insert_needs_priorities(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ._support import gear_only, info_of, reverb, sample_one
+from tests.support.compat import gear_only, info_of, reverb, sample_one
 
 
 def test_error_types():

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from ._support import BLOCKED_MS, PROMPT_S, InThread, info_of, reverb, sample_one
+from tests.support.compat import BLOCKED_MS, PROMPT_S, InThread, info_of, reverb, sample_one
 
 rl = reverb.rate_limiters
 MAX = sys.float_info.max

@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 
-from ._support import PROMPT_S, as_numpy_dtype, gear_only, reverb, sample_one, spec
+from tests.support.compat import PROMPT_S, as_numpy_dtype, gear_only, reverb, sample_one, spec
 
 Step = collections.namedtuple("Step", ["observation", "reward"])
 

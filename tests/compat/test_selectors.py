@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ._support import gear_only, isclose, reverb, sample_one
+from tests.support.compat import gear_only, isclose, reverb, sample_one
 
 
 def _value(sample) -> int:

@@ -8,7 +8,16 @@ import threading
 import numpy as np
 import pytest
 
-from ._support import PROMPT_S, gear_only, info_of, insert_request, raw_stub, reverb, sample_one, sampled_keys
+from tests.support.compat import (
+    PROMPT_S,
+    gear_only,
+    info_of,
+    insert_request,
+    raw_stub,
+    reverb,
+    sample_one,
+    sampled_keys,
+)
 
 
 def _table(name: str = "t", max_size: int = 10, **kwargs):

@@ -1,7 +1,7 @@
 """Third-party Reverb code run on gear, as a user would run it.
 
 Two ways in, both unmodified Reverb code: the adders and observers of
-``_reverb_users`` (Acme's reverb adders, TF-Agents' observers, retold) say
+``tests/support/reverb_users.py`` (Acme's reverb adders, TF-Agents' observers, retold) say
 ``import reverb`` and find gear's opt-in alias (alias/reverb, put on the path
 here as ``pip install ./alias/reverb`` would); the tutorial-style tests below
 say ``import gear_client as reverb``. Each test checks what the item holds,
@@ -27,9 +27,8 @@ if importlib.util.find_spec("reverb") is None:  # what `pip install ./alias/reve
     sys.path.insert(0, str(ALIAS_DIR))
 
 import gear_client as reverb  # noqa: E402
-
-from . import _reverb_users as users  # noqa: E402
-from ._support import gear_only  # noqa: E402
+from tests.support import reverb_users as users  # noqa: E402
+from tests.support.compat import gear_only  # noqa: E402
 
 pytestmark = gear_only
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ._support import BLOCKED_MS, PROMPT_S, info_of, reverb, sample_one
+from tests.support.compat import BLOCKED_MS, PROMPT_S, info_of, reverb, sample_one
 
 WAIT_MS = PROMPT_S * 1000
 

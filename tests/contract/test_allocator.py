@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.ops._support import ROOT
+from tests.support.paths import ROOT
 
 _CHECK = "from gear_contract.allocator import tune_allocator; print(tune_allocator(opt_in={opt_in}))"
 

@@ -10,8 +10,8 @@ import pytest
 import gear_client as reverb
 from gear_client.data_planes.batch import BufferPool
 from gear_kernels import Window
-
-from ._support import check_batch, fill, item_ok, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import check_batch, fill, item_ok
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +230,7 @@ def test_inline_batches_spanning_several_messages_are_assembled_and_windowed():
 
 def test_inline_batches_follow_a_growing_table_without_cutting_items():
     from gear_client.data_planes.sampler import PlaneSampler
-
-    from ._support import insert
+    from tests.support.trajectories import insert
 
     d = start_daemon(table_config("t", 4))
     try:

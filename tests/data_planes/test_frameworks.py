@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 import gear_client as reverb
-
-from ._support import check_batch, fill, start_daemon, table_config
-from .test_read_ahead import queue_config
+from tests.support.plane_daemon import queue_config, start_daemon, table_config
+from tests.support.trajectories import check_batch, fill
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -12,8 +12,8 @@ import gear_client as reverb
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_client.data_planes.shm import ShmPlane
 from gear_kernels import Window, gpu_available
-
-from ._support import ACTION, check_batch, fill, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import ACTION, check_batch, fill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")]
 

@@ -10,8 +10,8 @@ import pytest
 
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_kernels import gpu_available
-
-from ._support import check_batch, fill, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import check_batch, fill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")]
 

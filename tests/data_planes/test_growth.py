@@ -14,8 +14,8 @@ import time
 from types import SimpleNamespace
 
 from gear_client.data_planes.sampler import MAX_OUTGROWN_LAYOUTS, LayoutStep, PipelineState, PlaneSampler
-
-from ._support import check_batch, fill, insert, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import check_batch, fill, insert
 
 
 def grow_after_each_layout_sent(daemon, table, growths: int) -> list[str]:

@@ -18,8 +18,8 @@ from gear_client.data_planes.sampler import PlaneSampler
 from gear_server.data_planes.sessions import SessionRegistry, generations_unchanged
 from gear_server.storage import SegmentStore
 from gear_server.table.table import Table
-
-from ._support import Churn, check_batch, fill, insert, item_ok, make_item, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import Churn, check_batch, fill, insert, item_ok, make_item
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,7 +149,7 @@ def test_slow_reads_past_the_lease_timeout_are_discarded_not_returned(monkeypatc
 _LEARNER = """
 import json, sys, time
 from gear_client.data_planes.sampler import PlaneSampler
-from tests.data_planes._support import item_ok
+from tests.support.trajectories import item_ok
 s = PlaneSampler(sys.argv[1], "t")
 items = torn = batches = 0
 end = time.monotonic() + float(sys.argv[2])

@@ -17,8 +17,9 @@ from gear_client.data_planes.session import parse_select
 from gear_contract import negotiation as neg
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-
-from ._support import EmulatedRdmaServer, emulated_port, fill, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.rdma_emulation import EmulatedRdmaServer, emulated_port
+from tests.support.trajectories import fill
 
 ROOT = Path(__file__).resolve().parents[2]
 RPC_S = 10
@@ -185,7 +186,7 @@ def test_rdma_is_negotiated_when_both_sides_have_a_device():
 _LEARNER = """
 import json, sys
 from gear_client.data_planes.sampler import PlaneSampler
-from tests.data_planes._support import check_batch
+from tests.support.trajectories import check_batch
 s = PlaneSampler(sys.argv[1], "t")
 batch = s.sample(6)
 print(json.dumps({"kind": s.kind, "plane": batch.plane, "items": check_batch(batch), "excluded": sorted(s._excluded)}))
@@ -208,7 +209,7 @@ def test_a_learner_that_cannot_open_the_segment_falls_back_to_inline(daemon):
 
 
 def test_sampler_on_the_daemons_host_uses_shm_and_gets_intact_items(daemon):
-    from ._support import check_batch
+    from tests.support.trajectories import check_batch
 
     with PlaneSampler(daemon.address(), "t") as s:
         batch = s.sample(12)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ._support import fill, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import fill
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBIAN_PYVERBS = Path("/usr/lib/python3/dist-packages/pyverbs")
@@ -30,7 +31,7 @@ import gear_client as reverb
 from gear_contract import rdma_verbs as verbs
 from gear_contract.negotiation import local_host_id
 from gear_client.data_planes.sampler import PlaneSampler
-from tests.data_planes._support import check_batch, item_ok
+from tests.support.trajectories import check_batch, item_ok
 address = sys.argv[1]
 out = {"host_id": local_host_id(), "pyverbs": verbs.unavailable_reason() is None, "probe": verbs.probe() is not None}
 with PlaneSampler(address, "t") as s:

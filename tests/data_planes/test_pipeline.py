@@ -18,8 +18,8 @@ from gear_client.data_planes import shm as shm_module
 from gear_client.data_planes.batch import Pending, SampledBatch
 from gear_client.data_planes.sampler import LayoutStep, PipelineState, PlaneSampler, SamplerClosedError
 from gear_contract._proto import replay_pb2 as pb
-
-from ._support import check_batch, fill, insert, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import check_batch, fill, insert
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,7 @@ from gear_server.config import ConfigError, parse_config
 from gear_server.daemon import Daemon
 from gear_server.data_planes.offers import plane_report
 from gear_server.data_planes.settings import DataPlaneSettings
-
-from ._support import table_config
+from tests.support.plane_daemon import table_config
 
 
 def test_the_report_names_offered_planes_best_first_and_why_the_others_are_off():

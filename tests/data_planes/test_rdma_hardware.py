@@ -15,8 +15,8 @@ import pytest
 
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract import rdma_verbs as verbs
-
-from ._support import check_batch, fill, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import check_batch, fill
 
 pytestmark = pytest.mark.rdma
 

@@ -4,7 +4,7 @@ Everything but verbs.py runs for real here: negotiation with the daemon's RDMA
 server interface, endpoint exchange and validation, range planning, chains with
 selective signalling over several queue pairs, completion polling, padding,
 Release and stale detection, table growth, fallback and teardown. The emulated
-NIC (tests/data_planes/_support.py) copies bytes where verbs would DMA them.
+NIC (tests/support/rdma_emulation.py) copies bytes where verbs would DMA them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from gear_client.data_planes.rdma import RdmaReadError, execute_plan
 from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract._proto import replay_pb2 as pb
 from gear_kernels import Window
-
-from ._support import EmulatedConnection, EmulatedRdmaServer, check_batch, fill, insert, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.rdma_emulation import EmulatedConnection, EmulatedRdmaServer
+from tests.support.trajectories import check_batch, fill, insert
 
 
 class Never:
@@ -43,17 +44,17 @@ def plan_of(n_ranges: int, queues: int, chain_length: int) -> ReadPlan:
 def test_scheduler_keeps_each_queue_pair_within_its_send_queue():
     conn = EmulatedConnection(num_qps=3)
     src = np.arange(64 * 100, dtype=np.int64).astype(np.uint8)
-    from ._support import _REG_LOCK, _REGISTERED
+    from tests.support.rdma_emulation import REG_LOCK, REGISTERED
 
-    with _REG_LOCK:
-        _REGISTERED[(1, 99)] = src
+    with REG_LOCK:
+        REGISTERED[(1, 99)] = src
     try:
         local = conn.region_of(conn.allocate(64 * 100))
         plan = plan_of(100, 3, 4)
         done = execute_plan(conn, plan, local, pb.RdmaRegion(addr=1, rkey=99, length=src.nbytes), max_in_flight=2)
     finally:
-        with _REG_LOCK:
-            _REGISTERED.pop((1, 99))
+        with REG_LOCK:
+            REGISTERED.pop((1, 99))
     assert done == sum(len(q) for q in plan.chains) == conn.posted_chains
     assert conn.posted_requests == 100 and conn.signalled == done  # one completion per chain, not per read
     assert conn.max_in_flight_seen <= 2

@@ -17,18 +17,11 @@ import gear_client as reverb
 from gear_client.data_planes.read_ahead import may_read_ahead, sampling_takes
 from gear_client.data_planes.sampler import PlaneSampler, gathers_in_flight, select_width
 from gear_contract._proto import replay_pb2 as pb
-
-from ._support import check_batch, fill, insert, start_daemon, table_config
+from tests.support.plane_daemon import queue_config, start_daemon, table_config
+from tests.support.trajectories import check_batch, fill, insert
 
 PLANES = [["shm"], ["inline"]]
 ITEM = {"length": 4, "dim": 8}
-
-
-def queue_config(name: str, size: int = 32) -> pb.TableConfig:
-    """What Table.queue configures: FIFO in and out, each item sampled once, a Queue limiter."""
-    return table_config(name, size, sampler="fifo", remover="fifo", max_times_sampled=1,
-                        rate_limiter=pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1,
-                                                           min_diff=0.0, max_diff=float(size)))
 
 
 def ratio_config(name: str) -> pb.TableConfig:

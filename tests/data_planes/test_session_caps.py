@@ -9,8 +9,8 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_server.data_planes.sessions import PER_PEER_KEY, SessionRegistry, peer_identity
 from gear_server.data_planes.settings import DataPlaneSettings
-
-from ._support import fill, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import fill
 
 RPC_S = 10
 PER_PEER = 8

@@ -18,8 +18,8 @@ import pytest
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.lane_frames import RELEASE, SELECT
-
-from ._support import ACTION, check_batch, fill, make_item, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import ACTION, check_batch, fill, make_item
 
 LENGTH, DIM = 8, 64
 

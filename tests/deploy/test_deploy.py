@@ -20,7 +20,7 @@ from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.ops.auth import AuthSettings
 from gear_server.ops.logs import LoggingSettings
 from gear_server.ops.metrics import MetricsSettings
-from tests.ops._support import ROOT
+from tests.support.paths import ROOT
 
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "gear-server.service"

@@ -3,7 +3,7 @@
 Device outputs come from poisoned allocations (conftest.cupy), so an element
 a kernel fails to write shows up as a mismatch. Sampling is compared exactly
 where the arithmetic is the same (exponent 0 or 1, uniform, the all-zero
-fallback) and by distribution otherwise (chi-square, P_MIN in _stats.py).
+fallback) and by distribution otherwise (chi-square, P_MIN in tests/support/statistics.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from gear_kernels import (
     to_torch,
     weighted_sample,
 )
-
-from ._stats import P_MIN, chi_square_p, counts
+from tests.support.statistics import P_MIN, chi_square_p, counts
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,7 @@ import pytest
 from gear_server.table.selectors import offload
 from gear_server.table.selectors.offload import BACKEND_ENV, Crossover, choose_path
 from gear_server.table.selectors.prioritized import Prioritized
-
-from ._stats import P_MIN, chi_square_p, counts
+from tests.support.statistics import P_MIN, chi_square_p, counts
 
 
 def test_choose_path_follows_the_crossover_table():

@@ -19,8 +19,7 @@ from gear_kernels import (
     weighted_sample,
 )
 from gear_kernels import rng as krng
-
-from ._stats import P_MIN, chi_square_p, counts
+from tests.support.statistics import P_MIN, chi_square_p, counts
 
 MASK = (1 << 64) - 1
 

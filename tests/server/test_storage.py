@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gear_server.storage import SegmentStore, pid_alive, sanitise_table_name
-from tests.server.conftest import item, make_table
+from tests.support.tables import item, make_table
 
 
 def test_segment_is_named_sized_mapped_and_mode_0600(store):

@@ -8,8 +8,7 @@ import pytest
 
 from gear_client.sharding.assembly import assemble
 from gear_kernels import gpu_available
-
-from .test_selection import _chunk, _part
+from tests.support.sampled_batches import batch_chunk, batch_part
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")]
 
@@ -17,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="n
 def test_parts_from_two_planes_become_one_device_batch():
     import cupy as cp
 
-    on_gpu = _part([1, 2], 3, "shm")
+    on_gpu = batch_part([1, 2], 3, "shm")
     on_gpu.columns = [cp.asarray(c) for c in on_gpu.columns]
-    batch = assemble([on_gpu, _part([3, 4, 5], 5, "inline")], np.random.default_rng(0), device="cuda")
+    batch = assemble([on_gpu, batch_part([3, 4, 5], 5, "inline")], np.random.default_rng(0), device="cuda")
     flag, obs = batch.columns
     assert isinstance(obs, cp.ndarray) and obs.shape == (5, 5, 2)
     obs, flag = cp.asnumpy(obs), cp.asnumpy(flag)
@@ -48,7 +47,7 @@ def spin(stream, seconds: float = 0.2):
 def _device_chunk(first_key, n, steps):
     import cupy as cp
 
-    chunk = _chunk(first_key, n, steps)
+    chunk = batch_chunk(first_key, n, steps)
     chunk.columns = [cp.asarray(c) for c in chunk.columns]
     return chunk
 
@@ -74,7 +73,7 @@ def test_chunk_views_and_host_pieces_in_one_launch_on_a_learners_stream():
     from gear_client.sharding.assembly import DeviceAssembly, rows
 
     a, b = _device_chunk(100, 8, 4), _device_chunk(200, 8, 6)
-    host = _chunk(300, 5, 3)
+    host = batch_chunk(300, 5, 3)
     context = DeviceAssembly("cuda")
     learner = cp.cuda.Stream(non_blocking=True)
     with learner:
@@ -159,7 +158,7 @@ def test_assembly_runs_while_other_streams_are_busy():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ._support import Cluster
+    from tests.support.shard_cluster import Cluster
 
     c = Cluster(tmp_path_factory.mktemp("gpushards"))
     yield c
@@ -171,9 +170,8 @@ def test_dataset_over_three_shards_into_gpu_memory(cluster):
     import cupy as cp
 
     import gear_client as reverb
-    from tests.data_planes._support import ACTION, item_ok, make_item
-
-    from ._support import ITEM_DIM, ITEM_STEPS
+    from tests.support.shard_cluster import ITEM_DIM, ITEM_STEPS
+    from tests.support.trajectories import ACTION, item_ok, make_item
 
     for shard, address in enumerate(cluster.addresses):
         client = reverb.Client(address)

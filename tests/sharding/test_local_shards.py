@@ -8,7 +8,8 @@ import pytest
 
 import gear_client as reverb
 from gear_kernels import gpu_available
-from tests.data_planes._support import ACTION, fill, item_ok, start_daemon, table_config
+from tests.support.plane_daemon import start_daemon, table_config
+from tests.support.trajectories import ACTION, fill, item_ok
 
 pytestmark = pytest.mark.timeout(120)
 GPU = pytest.param("cuda", marks=[pytest.mark.gpu,

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gear_client.data_planes.batch import SampledBatch
 from gear_client.sharding.assembly import assemble
 from gear_client.sharding.membership import join_host_port, resolve, shard_addresses, split_host_port
 from gear_client.sharding.selection import Policy, ShardWeight, globalise, selection_mass, split
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.selectors import priority_weights
+from tests.support.sampled_batches import batch_chunk, batch_part
 
 ROOT = Path(__file__).resolve().parents[2]
 PRIO = Policy("prioritized", exponent=0.5)
@@ -72,17 +72,8 @@ def test_reported_probabilities_are_global():
     np.testing.assert_allclose(np.concatenate(uniform), 1 / 20)
 
 
-def _part(keys, steps, plane):
-    n = len(keys)
-    obs = np.stack([np.full((steps, 2), k, np.float32) for k in keys])
-    flag = np.array(keys, np.int64)
-    return SampledBatch(np.array(keys, np.uint64), np.full(n, 0.5), np.full(n, 9), np.ones(n), np.ones(n, np.int32),
-                        [flag, obs], np.array([[1, steps]] * n, np.int32), nest.structure_of((0, 0)),
-                        (True, False), plane=plane)
-
-
 def test_assembly_shuffles_rows_pads_columns_and_keeps_rows_together():
-    batch = assemble([_part([1, 2], 3, "shm"), _part([3, 4, 5], 5, "inline")], np.random.default_rng(2))
+    batch = assemble([batch_part([1, 2], 3, "shm"), batch_part([3, 4, 5], 5, "inline")], np.random.default_rng(2))
     assert sorted(batch.keys.tolist()) == [1, 2, 3, 4, 5] and batch.plane == "inline+shm"
     flag, obs = batch.columns
     assert obs.shape == (5, 5, 2)
@@ -91,9 +82,9 @@ def test_assembly_shuffles_rows_pads_columns_and_keeps_rows_together():
         assert flag[i] == key and steps == (3 if key <= 2 else 5)
         assert np.all(obs[i, :steps] == key) and np.all(obs[i, steps:] == 0)
     with pytest.raises(ValueError, match="different structures"):
-        other = _part([6], 3, "shm")
+        other = batch_part([6], 3, "shm")
         other.structure = nest.structure_of([0, 0])
-        assemble([_part([1], 3, "shm"), other], np.random.default_rng(0))
+        assemble([batch_part([1], 3, "shm"), other], np.random.default_rng(0))
 
 
 def test_three_node_example_config_loads():
@@ -111,21 +102,11 @@ def test_policy_of_options():
         Policy.of(pb.SelectorOptions())
 
 
-def _chunk(first_key, n, steps):
-    """A read-ahead chunk whose every field tells its item (key k: probability k/1000, priority k, ...)."""
-    keys = np.arange(first_key, first_key + n)
-    obs = np.stack([np.full((steps, 2), k, np.float32) for k in keys])
-    return SampledBatch(keys.astype(np.uint64), keys / 1000.0, keys.astype(np.int64) * 10, keys * 1.0,
-                        keys.astype(np.int32), [keys.astype(np.int64), obs],
-                        np.stack([np.ones(n), np.full(n, steps)], axis=1).astype(np.int32),
-                        nest.structure_of((0, 0)), (True, False), plane="shm")
-
-
 def test_pieces_of_several_chunks_are_assembled_in_one_pass_aligned_and_shuffled():
     """A shard whose count spans chunks gives views of them; all pieces join one batch, every row whole."""
     from gear_client.sharding.assembly import rows
 
-    a1, a2, b = _chunk(100, 6, 4), _chunk(200, 6, 4), _chunk(300, 5, 7)
+    a1, a2, b = batch_chunk(100, 6, 4), batch_chunk(200, 6, 4), batch_chunk(300, 5, 7)
     pieces = [rows(a1, 2, 6), rows(a2, 0, 3), rows(b, 0, 5)]  # shard A: leftover + a new chunk; shard B: 5
     assert np.shares_memory(pieces[0].columns[1], a1.columns[1])
     positions = []
@@ -150,10 +131,10 @@ def test_pieces_of_several_chunks_are_assembled_in_one_pass_aligned_and_shuffled
 
 
 def test_assembly_refuses_pieces_of_other_dtypes_naming_the_column():
-    other = _chunk(1, 2, 4)
+    other = batch_chunk(1, 2, 4)
     other.columns[1] = other.columns[1].astype(np.float64)
     with pytest.raises(ValueError, match="column 1"):
-        assemble([_chunk(10, 2, 4), other], np.random.default_rng(0))
+        assemble([batch_chunk(10, 2, 4), other], np.random.default_rng(0))
 
 
 def test_gpu_assembly_tasks_carried_out_on_the_host_give_the_host_batch():
@@ -163,7 +144,7 @@ def test_gpu_assembly_tasks_carried_out_on_the_host_give_the_host_batch():
 
     from gear_client.sharding.assembly import plan_rows, rows
 
-    a, b = _chunk(100, 6, 4), _chunk(300, 5, 7)
+    a, b = batch_chunk(100, 6, 4), batch_chunk(300, 5, 7)
     pieces = [rows(a, 1, 6), rows(b, 0, 5), rows(a, 0, 1)]
     want = assemble(pieces, np.random.default_rng(5))
     order = np.random.default_rng(5).permutation(11)
@@ -188,10 +169,10 @@ def test_host_assembly_reuses_a_buffer_only_once_its_batch_is_dropped():
     from gear_client.sharding.assembly import HostAssembly
 
     context = HostAssembly()
-    pieces = [_chunk(100, 6, 4), _chunk(300, 5, 7)]
+    pieces = [batch_chunk(100, 6, 4), batch_chunk(300, 5, 7)]
     held = assemble(pieces, np.random.default_rng(0), None, context)
     snapshot = [c.copy() for c in held.columns]
-    second = assemble([_chunk(500, 6, 4), _chunk(700, 5, 7)], np.random.default_rng(1), None, context)
+    second = assemble([batch_chunk(500, 6, 4), batch_chunk(700, 5, 7)], np.random.default_rng(1), None, context)
     assert not np.shares_memory(held.columns[1], second.columns[1])
     for kept, now in zip(snapshot, held.columns, strict=True):
         np.testing.assert_array_equal(kept, now)  # the batch the learner holds is never written again
@@ -205,13 +186,13 @@ def test_host_assembly_reuses_a_buffer_only_once_its_batch_is_dropped():
 def test_global_probabilities_and_size_replace_the_pieces_own_row_for_row():
     from gear_client.sharding.assembly import rows
 
-    a, b = _chunk(100, 6, 4), _chunk(300, 5, 7)
+    a, b = batch_chunk(100, 6, 4), batch_chunk(300, 5, 7)
     pieces = [rows(a, 1, 6), b]
     flat = np.concatenate([p.keys for p in pieces]).astype(np.int64)
     batch = assemble(pieces, np.random.default_rng(4), probabilities=flat / 7.0, table_size=77)
     np.testing.assert_allclose(batch.probabilities, batch.keys.astype(np.int64) / 7.0)
     assert set(batch.table_sizes.tolist()) == {77}
-    single = assemble([_chunk(500, 3, 4)], np.random.default_rng(0), probabilities=np.full(3, 0.25), table_size=9)
+    single = assemble([batch_chunk(500, 3, 4)], np.random.default_rng(0), probabilities=np.full(3, 0.25), table_size=9)
     assert single.probabilities.tolist() == [0.25] * 3 and single.table_sizes.tolist() == [9] * 3
 
 

@@ -13,10 +13,9 @@ import pytest
 import gear_client as reverb
 from gear_client.sharding.client import ShardedClient
 from gear_contract.selectors import priority_weights
-from tests.data_planes._support import ACTION, item_ok, make_item
-from tests.kernels._stats import P_MIN, chi_square_p
-
-from ._support import EXPONENT, ITEM_DIM, ITEM_STEPS, NUM_SHARDS, Cluster
+from tests.support.shard_cluster import EXPONENT, ITEM_DIM, ITEM_STEPS, NUM_SHARDS, Cluster
+from tests.support.statistics import P_MIN, chi_square_p
+from tests.support.trajectories import ACTION, item_ok, make_item
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -546,7 +545,7 @@ def test_checkpoint_and_reset_do_not_hang_on_a_hung_shard(cluster):
 
 
 def test_an_address_down_at_start_is_a_down_shard_with_a_warning_and_its_cause(cluster, caplog):
-    from tests.ops._support import free_port
+    from tests.support.ports import free_port
 
     nobody = f"127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING, logger="gear_client.sharding"):
@@ -582,7 +581,7 @@ def test_sampling_past_a_hung_shard_waits_one_shard_timeout(cluster):
 
 def _daemons(tmp_path, tables: list[str]) -> tuple[list, list[str]]:
     """One daemon per table text (TOML of its [[tables]]), started; (processes, addresses)."""
-    from tests.ops._support import DaemonProcess
+    from tests.support.daemon_process import DaemonProcess
 
     daemons = []
     for i, table in enumerate(tables):

@@ -1,6 +1,6 @@
 """Acme's adders into tables with Acme's tf.TensorSpec signatures, read back by tf.data (`make test-tf`).
 
-The adders of tests/compat/_reverb_users.py (Acme's, retold, ``import reverb``
+The adders of tests/support/reverb_users.py (Acme's, retold, ``import reverb``
 through the alias) write N-step transitions and StructuredWriter items into
 tables whose signatures are built the way Acme builds them (named
 ``tf.TensorSpec``s, a namedtuple with an empty ``extras``); the learner side is
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "alias" / "reverb"))
 
 import reverb  # noqa: E402 - after the skip: these tests need TensorFlow
 
-from tests.compat import _reverb_users as users  # noqa: E402
+from tests.support import reverb_users as users  # noqa: E402
 
 OBS = tf.TensorSpec([3], tf.float32, name="observation")
 

@@ -1,10 +1,10 @@
-"""The writer tests' recording server on loopback (see _recording.py)."""
+"""The writer tests' recording server on loopback (tests/support/recording.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ._recording import LoopbackServer
+from tests.support.recording import LoopbackServer
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ import pytest
 from gear_client.writers import structured_writer as structured
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.specs import TensorSpec
-
-from ._recording import FakeClient
+from tests.support.recording import FakeClient
 
 pytestmark = pytest.mark.timeout(60)
 

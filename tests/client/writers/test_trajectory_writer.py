@@ -20,8 +20,7 @@ from gear_client.errors import DeadlineExceededError
 from gear_client.writers.trajectory_writer import TrajectoryColumn, TrajectoryWriter
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.specs import TensorSpec, signature_to_proto
-
-from ._recording import FakeClient, LoopbackServer
+from tests.support.recording import FakeClient, LoopbackServer
 
 pytestmark = pytest.mark.timeout(60)
 

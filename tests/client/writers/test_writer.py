@@ -9,8 +9,7 @@ import pytest
 
 from gear_client.writers.legacy_writer import Writer
 from gear_contract._proto import replay_pb2 as pb
-
-from ._recording import FakeClient
+from tests.support.recording import FakeClient
 
 pytestmark = pytest.mark.timeout(60)
 

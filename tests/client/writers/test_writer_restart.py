@@ -19,7 +19,8 @@ import pytest
 
 import gear_client as reverb
 from gear_client.errors import ItemsNotInsertedError
-from tests.ops._support import DaemonProcess, free_port
+from tests.support.daemon_process import DaemonProcess
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

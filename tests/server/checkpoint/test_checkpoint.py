@@ -22,8 +22,27 @@ from gear_server.checkpoint.checkpointer import (
 )
 from gear_server.daemon_ops import restore_table, table_state
 from gear_server.storage import SegmentStore
-from gear_server.table.table import Table
-from tests.ops._support import SHM_DIR, make_item, table_config
+from gear_server.table.table import ItemToInsert, Table
+
+SHM_DIR = "/dev/shm"
+OBS_ACT = pb.Structure(kind=pb.Structure.DICT, keys=["act", "obs"], children=[pb.Structure(), pb.Structure()])
+NO_LIMIT = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=-1.7976931348623157e308,
+                                 max_diff=1.7976931348623157e308)
+
+
+def table_config(name: str, sampler: pb.SelectorOptions, remover: pb.SelectorOptions, max_size: int = 50,
+                 max_times_sampled: int = 0) -> pb.TableConfig:
+    return pb.TableConfig(name=name, sampler=sampler, remover=remover, max_size=max_size, rate_limiter=NO_LIMIT,
+                          max_times_sampled=max_times_sampled)
+
+
+def make_item(key: int, priority: float, length: int, episode: int):
+    """{'act': int64 scalar (squeezed), 'obs': float32 [length, 3]}; values encode the key."""
+
+    obs = np.arange(length * 3, dtype=np.float32).reshape(length, 3) + 1000 * key
+    return ItemToInsert(key=key, priority=priority, structure=OBS_ACT, columns=[np.array(key, np.int64), obs],
+                        squeeze=[True, False], episode_ids=frozenset({episode}))
+
 
 SELECTORS = {
     "uniform": pb.SelectorOptions(uniform=True),

@@ -14,7 +14,8 @@ import pytest
 import gear_client
 from gear_server.checkpoint.checkpointer import COMPLETE, MANIFEST, REFUSED, TEST_PAUSE_ENV
 from gear_server.ops import health
-from tests.ops._support import DaemonProcess, drain_queue, insert_items, tables_toml
+from tests.support.daemon_process import DaemonProcess
+from tests.support.tables_toml import drain_queue, insert_items, tables_toml
 
 
 def _config(tmp_path, **checkpoint) -> str:

@@ -10,7 +10,7 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.ingest.commit_lane import CommitLane
 from gear_server.rpc.table_calls import TableCalls
-from tests.server.conftest import MIN_FLOAT, item, make_table, store  # noqa: F401 - store is a fixture
+from tests.support.tables import MIN_FLOAT, item, make_table
 
 
 class Counting:

@@ -9,9 +9,9 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from tests.data_planes._support import item_ok, make_item, table_config
-
-from .test_insert_plane import finish, items_in_insert_order, run_actor, slots_accounted, start
+from tests.support.insert_plane import finish, items_in_insert_order, run_actor, slots_accounted, start
+from tests.support.plane_daemon import table_config
+from tests.support.trajectories import item_ok, make_item
 
 NETWORK_PATH = {"GEAR_INSERT_PLANE": "0"}  # actors on this host that behave as remote ones
 

@@ -8,14 +8,12 @@ commit); items are the checksummed trajectories of the data-plane tests
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,23 +24,13 @@ from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.negotiation import local_host_id
 from gear_contract.slot_writer import INSERT_PLANE_METHOD, SlotWriter
-from gear_server.config import DaemonSettings
-from gear_server.daemon import Daemon
-from gear_server.ingest.settings import IngestSettings
 from gear_server.table.fitting import regrow
-from tests.data_planes._support import STRUCTURE, insert, item_ok, make_item, table_config
-from tests.ops._support import free_port
-from tests.server.ops.test_metrics import parse, value
-
-ROOT = Path(__file__).resolve().parents[3]
-_instances = iter(range(1 << 30))
-
-ACTOR = """
-import json, sys
-from tests.data_planes._support import write_trajectories
-address, first, count, length, dim = sys.argv[1], *map(int, sys.argv[2:6])
-print(json.dumps(write_trajectories(address, first, count, length, dim)))
-"""
+from tests.support.insert_plane import finish, items_in_insert_order, run_actor, slots_accounted, start
+from tests.support.metrics_text import parse, value
+from tests.support.paths import ROOT
+from tests.support.plane_daemon import table_config
+from tests.support.ports import free_port
+from tests.support.trajectories import STRUCTURE, insert, item_ok, make_item
 
 # Reserves slots, half-writes garbage into them, then waits to be killed.
 RESERVER = """
@@ -65,47 +53,6 @@ time.sleep(120)
 """
 
 
-def start(*tables: pb.TableConfig, port: int = 0, **ingest) -> Daemon:
-    config = pb.ServerConfig(port=port, bind_address="localhost", instance_name=f"iptest{os.getpid()}x{next(_instances)}",
-                             tables=list(tables))
-    settings = DaemonSettings.from_server_config(config)
-    settings.ingest = IngestSettings(**ingest)
-    daemon = Daemon(settings, seed=0)
-    daemon.start()
-    return daemon
-
-
-def run_actor(address: str, first: int, count: int, length: int, dim: int, env: dict | None = None,
-              wait: bool = True) -> subprocess.Popen | dict:
-    process = subprocess.Popen([sys.executable, "-c", ACTOR, address, str(first), str(count), str(length), str(dim)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                               env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
-    if not wait:
-        return process
-    return finish(process)
-
-
-def finish(process: subprocess.Popen) -> dict:
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def items_in_insert_order(table) -> list[dict[str, np.ndarray]]:
-    """Every item of a table, oldest first, read back from its segment (snapshot)."""
-    snap = table.snapshot()
-    lengths = snap.arrays["lengths"]
-    out, offsets = [], [0, 0, 0]
-    for lens in lengths:
-        item = {}
-        for c, name in enumerate(("action", "obs", "reward")):
-            n = int(lens[c])
-            item[name] = snap.arrays[f"column/{c}"][offsets[c]:offsets[c] + n]
-            offsets[c] += n
-        out.append(item)
-    return out
-
-
 def intact(batch) -> int:
     """Assert every item of a SampledBatch carries a matching checksum (writers pick their own keys);
     returns the item count."""
@@ -114,12 +61,6 @@ def intact(batch) -> int:
         n = int(batch.lengths[i, 0])
         assert item_ok(action[i, :n], obs[i, :n], reward[i, :n]), f"item {i} (key {batch.keys[i]}) is torn"
     return len(batch)
-
-
-def slots_accounted(table) -> bool:
-    """Every slot is free, holds an item, is leased after a delete, or is reserved: none leaked."""
-    book = table._state.slots
-    return len(book.free) + int(book.meta.valid.sum()) + len(book.zombies) + len(book.reserved) == table.capacity
 
 
 def test_an_actor_process_writes_through_the_insert_plane_and_the_items_read_back_byte_exact():

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from gear_contract.slot_writer import populates_by_slot
-from tests.data_planes._support import insert, make_item, table_config
-from tests.server.ingest.test_insert_plane import ROOT, items_in_insert_order, start
+from tests.support.insert_plane import items_in_insert_order, start
+from tests.support.paths import ROOT
+from tests.support.plane_daemon import table_config
+from tests.support.trajectories import insert, make_item
 
 pytestmark = pytest.mark.skipif(not populates_by_slot(), reason="kernel without MADV_POPULATE_READ (Linux < 5.14)")
 
@@ -28,7 +30,7 @@ LENGTH, DIM = 8, 1024  # 32 KiB of obs per item: a new segment starts with about
 # bytes of the table's segment files this process has mapped in (Rss over every version's mapping).
 ACTOR = """
 import json, sys
-from tests.data_planes._support import write_trajectories
+from tests.support.trajectories import write_trajectories
 address, prefix, first, count, length, dim = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 
 def segment_rss():

@@ -33,12 +33,12 @@ from gear_server.ingest.worker_pool import WorkerPool
 from gear_server.ingest.worker_process import DEFAULT_THREADS, WRITER_IDLE_S
 from gear_server.ops.auth import AuthSettings
 from gear_server.rpc.limits import LimitSettings
-from tests.data_planes._support import STRUCTURE, item_ok, make_item, table_config
-from tests.open_writers import run_open_writers
-from tests.ops._support import DaemonProcess
-from tests.server.rpc.test_control_plane import HeldStream, chunk_request, exhaust_chunk_budgets
-
-from .test_insert_plane import items_in_insert_order, slots_accounted
+from tests.support.daemon_process import DaemonProcess
+from tests.support.insert_plane import items_in_insert_order, slots_accounted
+from tests.support.insert_streams import HeldStream, chunk_request, exhaust_chunk_budgets
+from tests.support.open_writers import run_open_writers
+from tests.support.plane_daemon import table_config
+from tests.support.trajectories import STRUCTURE, item_ok, make_item
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ import pytest
 from gear_client.connection.auth import ChannelSecurity
 from gear_server.ops import health
 from gear_server.ops.auth import AuthSettings, BearerTokenInterceptor
-from tests.ops._support import call_method, replay_methods, start_server
+from tests.support.echo_server import call_method, replay_methods, start_server
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -9,9 +9,10 @@ import grpc
 import pytest
 
 import gear_client
-from tests.ops._support import DaemonProcess, drain_queue, free_port, insert_items, tables_toml
-
-from .test_metrics import parse, scrape, value
+from tests.support.daemon_process import DaemonProcess
+from tests.support.metrics_text import parse, scrape, value
+from tests.support.ports import free_port
+from tests.support.tables_toml import drain_queue, insert_items, tables_toml
 
 
 def test_scrape_shows_inserts_samples_bytes_sizes_latencies_and_errors(tmp_path):

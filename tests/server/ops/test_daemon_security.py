@@ -16,7 +16,9 @@ from gear_client.connection.auth import ChannelSecurity
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_server.ops import health
-from tests.ops._support import DaemonProcess, call_method, drain_queue, insert_items, replay_methods, tables_toml
+from tests.support.daemon_process import DaemonProcess
+from tests.support.echo_server import call_method, replay_methods
+from tests.support.tables_toml import drain_queue, insert_items, tables_toml
 
 TOKEN = "daemon-test-token-0123456789"
 

@@ -14,7 +14,7 @@ from gear_server.ops import health
 from gear_server.ops.auth import AuthSettings
 from gear_server.rpc.interceptors import CallGuard
 from gear_server.rpc.limits import LimitSettings
-from tests.ops._support import start_server
+from tests.support.echo_server import start_server
 
 
 @pytest.fixture

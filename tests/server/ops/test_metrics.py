@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import urllib.request
 
 import grpc
 import pytest
@@ -21,35 +20,8 @@ from gear_server.ops.metrics import (
     ServerMetrics,
 )
 from gear_server.rpc.interceptors import RpcObserver
-from tests.ops._support import call_method, start_server
-
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
-
-
-def parse(text: str) -> dict[tuple[str, frozenset], float]:
-    """Text exposition -> {(name, labels): value}; fails on a malformed line."""
-    out = {}
-    types = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            types[name] = kind
-            continue
-        if line.startswith("#") or not line:
-            continue
-        match = _SAMPLE.match(line)
-        assert match, f"malformed exposition line: {line!r}"
-        name, _, labels, value = match.groups()
-        pairs = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels or ""))
-        out[(name, pairs)] = float(value)
-    assert types, "no # TYPE lines"
-    return out
-
-
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain; version=")  # the text exposition
-        return parse(response.read().decode())
+from tests.support.echo_server import call_method, start_server
+from tests.support.metrics_text import parse, scrape, value
 
 
 def label_names(text: str) -> dict[str, set[str]]:
@@ -59,10 +31,6 @@ def label_names(text: str) -> dict[str, set[str]]:
         family = re.sub(r"_(bucket|sum|count|total|created|info)$", "", name)
         out.setdefault(family, set()).update(k for k, _ in labels if k not in ("le", "quantile"))
     return out
-
-
-def value(samples, metric, **labels) -> float:
-    return samples.get((metric, frozenset(labels.items())), 0.0)
 
 
 class FakeTable:

@@ -165,7 +165,8 @@ def test_a_serving_daemon_sends_watchdog_keep_alives(tmp_path):
     """Under WatchdogSec= (WATCHDOG_USEC) the daemon pings while it serves; a wedged loop would stop them."""
     import uuid
 
-    from tests.ops._support import DaemonProcess, tables_toml
+    from tests.support.daemon_process import DaemonProcess
+    from tests.support.tables_toml import tables_toml
 
     daemon = DaemonProcess(tmp_path, tables_toml(f"wd{uuid.uuid4().hex[:8]}"), env={"WATCHDOG_USEC": "1000000"})
     try:

@@ -8,7 +8,7 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.data_planes.manager import SELECT_TENSORS, encode_select_response, fill_select_tensors
 from gear_server.rpc.table_calls import JoinedSelection
-from tests.server.conftest import item, make_table
+from tests.support.tables import item, make_table
 
 
 def _head(joined: JoinedSelection, table) -> pb.SelectResponse:

@@ -16,7 +16,7 @@ from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import NeedsInlinePlane
 from gear_server.table.table import ItemToInsert
-from tests.server.conftest import LEAF, make_table
+from tests.support.tables import LEAF, make_table
 
 KINDS = [np.arange(12, dtype=np.float32).reshape(3, 4), np.array([5, 6], np.int64), np.array([True, False, True])]
 
@@ -163,7 +163,7 @@ def test_snapshot_and_restore_keep_every_kind(store):
 
 def test_open_data_plane_answers_inline_for_a_table_of_several_kinds():
     from gear_server.daemon import Daemon
-    from tests.server.conftest import config
+    from tests.support.tables import config
 
     daemon = Daemon(pb.ServerConfig(bind_address="127.0.0.1", port=0, instance_name="kinds",
                                     tables=[config("t", sampler="fifo", remover="fifo")]))

@@ -12,7 +12,7 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.table.table import ItemToInsert
-from tests.server.conftest import LEAF, OBS_ACT, check_item_data, item, make_table
+from tests.support.tables import LEAF, OBS_ACT, check_item_data, item, make_table
 
 PAIR = pb.Structure(kind=pb.Structure.TUPLE, children=[pb.Structure(), pb.Structure()])
 

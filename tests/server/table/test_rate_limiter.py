@@ -10,7 +10,7 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import RateLimiterTimeout, TableClosedError
 from gear_server.table.rate_limiter import RateLimiter, deadline_after
-from tests.server.conftest import MAX_FLOAT, MIN_FLOAT, item, make_table
+from tests.support.tables import MAX_FLOAT, MIN_FLOAT, item, make_table
 
 
 def limiter(spi=1.0, min_size=1, min_diff=MIN_FLOAT, max_diff=MAX_FLOAT) -> RateLimiter:

@@ -8,7 +8,8 @@ import pytest
 from gear_server.table.picks import count_picks, find_repeats, held_of
 from gear_server.table.selectors import Prioritized, Uniform
 from gear_server.table.slots import ItemMetadata, SlotBook
-from tests.server.conftest import chi2_critical, chi2_statistic, item, make_table
+from tests.support.statistics import chi2_critical, chi2_statistic
+from tests.support.tables import item, make_table
 
 
 def prioritized(weights_by_slot: dict[int, float], capacity: int) -> Prioritized:

@@ -8,7 +8,7 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.table.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform, make_selector
 from gear_server.table.selectors.prioritized import block_size_for
-from tests.server.conftest import chi2_critical, chi2_statistic
+from tests.support.statistics import chi2_critical, chi2_statistic
 
 
 def rng(seed=0):

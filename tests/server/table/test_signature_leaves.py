@@ -12,7 +12,7 @@ import pytest
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.table.table import ItemToInsert
-from tests.server.conftest import LEAF, make_table
+from tests.support.tables import LEAF, make_table
 
 ONE_LIST = pb.Structure(kind=pb.Structure.LIST, children=[pb.Structure()])
 PAIR_DICT = pb.Structure(kind=pb.Structure.DICT, keys=["a", "b"], children=[pb.Structure(), pb.Structure()])

@@ -12,16 +12,7 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import RateLimiterTimeout, TableClosedError
 from gear_server.table.table import ItemToInsert, Table, TableSnapshot, count_leaves, leaf_paths
-from tests.server.conftest import (
-    LEAF,
-    MIN_FLOAT,
-    OBS_ACT,
-    check_item_data,
-    config,
-    item,
-    make_table,
-    min_size,
-)
+from tests.support.tables import LEAF, MIN_FLOAT, OBS_ACT, check_item_data, config, item, make_table, min_size
 
 
 def sample_keys(table, n, **kw):
@@ -717,7 +708,7 @@ def test_million_item_table_sanity(store):
 
 def test_table_prioritized_distribution_matches_reported_probabilities(store):
     """Through Table.sample (batched picks, leases): frequencies follow w/sum(w), chi-square at p = 0.001."""
-    from tests.server.conftest import chi2_critical, chi2_statistic
+    from tests.support.statistics import chi2_critical, chi2_statistic
 
     table = make_table(store, sampler="prioritized", exponent=0.5, max_size=16, seed=5)
     priorities = [1.0, 4.0, 9.0, 16.0, 0.0, 25.0]

@@ -20,7 +20,7 @@ import pytest
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import ShmExhausted
 from gear_server.table.table import ItemToInsert
-from tests.server.conftest import make_table
+from tests.support.tables import make_table
 
 ITEM_BYTES = 15_000
 LEAF = pb.Structure()
@@ -136,7 +136,7 @@ def test_a_full_shm_directory_refuses_the_insert_naming_table_bytes_directory_an
     from gear_client import Client
     from gear_client.errors import ServiceError
     from gear_server.daemon import Daemon
-    from tests.server.conftest import config
+    from tests.support.tables import config
 
     server = Daemon(pb.ServerConfig(bind_address="127.0.0.1", port=0, shm_dir=small_tmpfs, instance_name="full",
                                     tables=[config("frames", sampler="fifo", remover="fifo", max_size=1000,

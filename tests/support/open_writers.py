@@ -1,4 +1,4 @@
-"""Many actors, each with its own Client and an open writer stream at once (issue 10's control-plane tests)."""
+"""Many actors, each with its own Client and an open writer stream at once (the control-plane load tests)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import signal
 from pathlib import Path
 
 from gear_contract.negotiation import local_host_id
-from tests.ops._support import DaemonProcess, free_port
+from tests.support.daemon_process import DaemonProcess
+from tests.support.ports import free_port
 
 NUM_SHARDS = 3
 EXPONENT = 0.8

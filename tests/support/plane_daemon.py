@@ -1,0 +1,58 @@
+"""An in-process daemon whose data planes take test settings, and the table configs it serves."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+from gear_contract._proto import replay_pb2 as pb
+from gear_server.daemon import Daemon
+from gear_server.data_planes.manager import DataPlaneManager
+
+_instances = itertools.count()
+
+
+def table_config(name: str = "t", max_size: int = 64, *, sampler: str = "uniform", remover: str = "fifo",
+                 spare: int | None = None, max_times_sampled: int = 0,
+                 rate_limiter: pb.RateLimiterOptions | None = None) -> pb.TableConfig:
+    """A table's config; the rate limiter is MinSize(1) unless given."""
+    if rate_limiter is None:
+        rate_limiter = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1,
+                                             min_diff=-sys.float_info.max, max_diff=sys.float_info.max)
+    return pb.TableConfig(name=name, max_size=max_size, max_times_sampled=max_times_sampled,
+                          sampler=pb.SelectorOptions(**{sampler: True}), remover=pb.SelectorOptions(**{remover: True}),
+                          rate_limiter=rate_limiter)
+
+
+def queue_config(name: str, size: int = 32) -> pb.TableConfig:
+    """What Table.queue configures: FIFO in and out, each item sampled once, a Queue limiter."""
+    return table_config(name, size, sampler="fifo", remover="fifo", max_times_sampled=1,
+                        rate_limiter=pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1,
+                                                           min_diff=0.0, max_diff=float(size)))
+
+
+class PlaneDaemon(Daemon):
+    """A real daemon whose data-plane manager takes test settings (lease timeouts, an RDMA server)."""
+
+    def __init__(self, config: pb.ServerConfig, **manager_kwargs):
+        super().__init__(config, seed=0)
+        self.manager_kwargs = {"rdma": None, **manager_kwargs}
+        self.manager: DataPlaneManager | None = None
+
+    def build_data_planes(self) -> DataPlaneManager:
+        self.manager = DataPlaneManager(self.tables, self.host_id, self.calls, **self.manager_kwargs)
+        return self.manager
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.manager is not None:
+            self.manager.shutdown()
+        super().stop(grace)
+
+
+def start_daemon(*tables: pb.TableConfig, bind: str = "localhost", **manager_kwargs) -> PlaneDaemon:
+    config = pb.ServerConfig(port=0, bind_address=bind, instance_name=f"dptest{os.getpid()}x{next(_instances)}",
+                             tables=list(tables) or [table_config()])
+    daemon = PlaneDaemon(config, **manager_kwargs)
+    daemon.start()
+    return daemon
