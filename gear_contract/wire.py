@@ -5,7 +5,7 @@ bytes are copied once (protobuf would copy them into and out of messages).
 Each piece is kept only where ``bench/bench_wire.py`` shows it beats protobuf
 (figures in docs/BENCHMARKS.md); release keys and sample responses under
 ``HAND_DECODE_MIN_BYTES`` are left to protobuf, which is faster there. Field numbers come
-from protos/gear/v1/replay.proto; tests/client/test_wire.py round-trips every
+from protos/gear/v1/replay.proto; tests/contract/test_wire.py round-trips every
 piece through protobuf's own parser.
 """
 

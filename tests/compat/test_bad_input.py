@@ -164,7 +164,7 @@ def test_item_breaking_the_signature_client(client, seeded):
 @pytest.mark.parametrize("data", [np.full(3, 7, np.int64), np.full(5, 7, np.float32), np.full((2, 2), 7, np.float32)],
                          ids=["dtype", "shape", "rank"])
 def test_item_of_another_layout_is_kept_raw(server, client, seeded, data):
-    """Tables without a signature hold items of any structure, as Reverb's (issue 12.3): nothing refused."""
+    """Tables without a signature hold items of any structure, as Reverb's: nothing refused."""
     stub = raw_stub(server)
     _insert(stub, insert_request("items", key=78, priority=1.0, data=data))
     now = contents(client, "items")

@@ -239,7 +239,7 @@ def test_writer_factories_validate_arguments(client):
 
 @pytest.mark.parametrize("planes", [None, ()], ids=["default-planes", "inline"])
 def test_insert_is_checked_on_the_flattened_leaves_of_the_signature(planes):
-    """Reverb compares flattened leaves, each as one step or as the whole trajectory (issue 12.2)."""
+    """Reverb compares flattened leaves, each as one step or as the whole trajectory."""
     server = reverb.Server([reverb.Table.queue("scalar", 10, signature=spec((), np.int64)),
                             reverb.Table.queue("one", 10, signature=spec((1,), np.int64))])
     try:

@@ -1,4 +1,4 @@
-"""Tables without a signature hold items of any structure, as Reverb's (issue 12.3).
+"""Tables without a signature hold items of any structure, as Reverb's.
 
 The first item's layout keeps the fast column slots; items of another structure,
 dtype or step shape are kept beside it (gear_server/table/side_store.py) and come back

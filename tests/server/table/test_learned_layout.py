@@ -77,7 +77,7 @@ def test_reset_then_a_different_item_relearns_the_layout(store):
     assert sel.layout_version == new.version and sel.keys.tolist() == [7]
     np.testing.assert_array_equal(col, data)
     assert not table.info().HasField("signature")
-    # the new layout holds while items are in: a later item of the old kind is kept beside it (issue 12.3)
+    # the new layout holds while items are in: a later item of the old kind is kept beside it
     table.insert(item(8))
     assert table.layout() == new and len(table) == 2
     table.close()
@@ -114,7 +114,7 @@ def test_table_emptied_by_removals_relearns(store, how):
 
 @pytest.mark.parametrize("change", ["dtype", "step shape", "squeeze", "structure"])
 def test_item_breaking_the_layout_is_kept_beside_it_while_items_are_held(store, change):
-    """Reverb's tables without a signature take items of any structure (issue 12.3): the column layout
+    """Reverb's tables without a signature take items of any structure: the column layout
     stays, the other item is kept aside and sampled back as it was."""
     table = make_table(store, sampler="fifo", remover="fifo", max_times_sampled=1)
     table.insert(item(1))

@@ -1,4 +1,4 @@
-"""Signatures compare flattened leaves, as Reverb (issue 12.2).
+"""Signatures compare flattened leaves, as Reverb.
 
 Reverb checks an item against its table's signature leaf by leaf after flattening
 both: the nest's containers do not matter (an item ``[x]`` fits a signature

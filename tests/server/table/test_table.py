@@ -357,8 +357,8 @@ def _bad_items():
 
 
 # The layout cases (dtype, step shape, squeeze, leaf count) are bad against a signature; a table without
-# one keeps such items beside its column layout (issue 12.3, test_learned_layout.py), and a signature
-# compares flattened leaves, not the nest (issue 12.2, test_signature_leaves.py).
+# one keeps such items beside its column layout (test_learned_layout.py), and a signature
+# compares flattened leaves, not the nest (test_signature_leaves.py).
 ITEM_SIGNATURE = pb.Signature(structure=OBS_ACT, leaves=[pb.TensorSpec(dtype="<i8", shape=[]),
                                                          pb.TensorSpec(dtype="<f4", shape=[-1, 2])])
 
