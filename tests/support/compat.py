@@ -1,4 +1,4 @@
-"""Shared pieces of the Reverb-compatibility suite.
+"""The Reverb-compatibility suite's backend (gear, or dm-reverb with GEAR_COMPAT_BACKEND=reverb) and helpers over it.
 
 The suite is written the way a Reverb user writes code: ``import gear_client as
 reverb``. Setting ``GEAR_COMPAT_BACKEND=reverb`` runs the very same tests against
