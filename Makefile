@@ -145,6 +145,19 @@ $(TF_VENV)/.installed: pyproject.toml
 test-tf: $(TF_VENV)/.installed
 	$(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/client/tf tests/test_readme.py
 
+# gear_ray on a simulated Ray cluster (tests/deploy/test_ray.py: two raylets on this machine, about a minute),
+# in its own venv with the ray extra (a few hundred MB, so not part of `make test`, whose runs skip the `ray` tests).
+RAY_VENV := .venv-ray
+.PHONY: test-ray
+$(RAY_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(RAY_VENV)/bin/python -m pip install -q -e '.[dev,ray]'
+	touch $@
+
+test-ray: $(RAY_VENV)/.installed
+	$(RAY_VENV)/bin/python -m pytest -q -p no:cacheprovider -m ray tests/deploy
+
 serve: install
 	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml
 

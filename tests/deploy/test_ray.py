@@ -1,0 +1,221 @@
+"""gear_ray on a simulated two-node Ray cluster (``ray.cluster_utils.Cluster``: every node a raylet of its own on
+this machine). Each node has its own host identity (``GEAR_HOST_ID``) and shared-memory folder
+(``GEAR_RAY_SHM_DIR``), set on its raylet and so inherited by every worker there, as two machines would differ.
+
+Runs in ``make test-ray`` (.venv-ray: ``pip install -e '.[dev,ray]'``); skipped where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (make test-ray)")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import gear_client  # noqa: E402
+import gear_ray  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+NODES = ("a", "b")
+CONFIG = """
+bind_address = "127.0.0.1"
+instance_name = "raytest"
+
+[[tables]]
+name = "replay"
+sampler = "uniform"
+remover = "fifo"
+max_size = 1000
+rate_limiter = { min_size = 1 }
+
+[tables.signature]
+observation = { dtype = "float32", shape = [-1, 8] }
+step = { dtype = "int64", shape = [-1] }
+
+[logging]
+level = "WARNING"
+"""
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two Ray nodes, each with the custom resources "gear" (gets a daemon) and "node_<x>" (pins tasks)."""
+    folder = tmp_path_factory.mktemp("ray")
+    tag = uuid.uuid4().hex[:8]
+    nodes = {}
+    ray_cluster = Cluster()
+    for x in NODES:
+        env = {"GEAR_HOST_ID": f"raytest-{tag}-{x}", "GEAR_RAY_SHM_DIR": str(folder / f"shm-{x}")}
+        nodes[x] = ray_cluster.add_node(num_cpus=2, resources={"gear": 1, f"node_{x}": 1}, env_vars=env)
+    ray.init(address=ray_cluster.address)
+    try:
+        yield {"folder": folder, "cluster": ray_cluster, "nodes": {x: n.node_id for x, n in nodes.items()},
+               "host_ids": {x: f"raytest-{tag}-{x}" for x in NODES}}
+    finally:
+        ray.shutdown()
+        ray_cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replay(cluster):
+    deployment = gear_ray.start(CONFIG, name="rt", port=0, resource="gear",
+                                checkpoint_root=str(cluster["folder"] / "ckpt"), timeout_s=180)
+    yield deployment
+    try:
+        deployment.stop(timeout_s=60)
+    except LookupError:
+        pass
+
+
+@ray.remote(num_cpus=0)
+class Actor:
+    """An RL actor: writes episodes through gear_ray's client from the node it is pinned to."""
+
+    def host_id(self) -> str:
+        return os.environ["GEAR_HOST_ID"]
+
+    def write(self, name: str, episodes: int, first_step: int) -> None:
+        client = gear_ray.client(name)
+        with client.trajectory_writer(STEPS) as writer:
+            for e in range(episodes):
+                for s in range(STEPS):
+                    step = first_step + e * STEPS + s
+                    writer.append({"observation": np.full(8, step, np.float32), "step": np.int64(step)})
+                writer.create_item("replay", 1.0, {k: writer.history[k][-STEPS:] for k in ("observation", "step")})
+                writer.end_episode()
+            writer.flush()
+        client.close()
+
+
+@ray.remote(num_cpus=0)
+def learn(name: str, batch_size: int, batches: int) -> dict:
+    """A learner: batches over every shard; what it saw and how it read each shard."""
+    shards = gear_ray.addresses(name)
+    keys, sizes, probabilities, firsts = [], [], [], []
+    with gear_client.TrajectoryDataset(shards, "replay", batch_size, rate_limiter_timeout_ms=30_000) as dataset:
+        for i, sample in enumerate(dataset):
+            keys += [int(k) for k in sample.info.key]
+            sizes += [int(s) for s in sample.info.table_size]
+            probabilities += [float(p) for p in sample.info.probability]
+            steps = np.asarray(sample.data["step"])
+            observations = np.asarray(sample.data["observation"])
+            assert (observations == steps[..., None]).all()  # every item's bytes are its own
+            firsts += [int(s) for s in steps[:, 0]]
+            if i + 1 == batches:
+                break
+        plane = dataset.plane
+    return {"keys": keys, "sizes": sizes, "probabilities": probabilities, "firsts": firsts, "plane": plane,
+            "host_id": os.environ["GEAR_HOST_ID"]}
+
+
+def _on(x: str) -> dict:
+    return {"resources": {f"node_{x}": 0.01}}
+
+
+def _shard_sizes(replay) -> dict[str, int]:
+    """node letter -> items in that node's daemon, asked of each daemon alone."""
+    out = {}
+    for shard in replay.shards():
+        client = gear_client.Client(shard["address"], connect_timeout=30)
+        out[shard["host_key"].rsplit("-", 1)[-1]] = client.server_info()["replay"].current_size
+        client.close()
+    return out
+
+
+def _wait_shard_back(replay, node_id: str, starts: int, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for shard in replay.shards():
+            if shard["node_id"] == node_id and shard["starts"] >= starts:
+                return shard
+        time.sleep(0.5)
+    raise AssertionError(f"the daemon of node {node_id} did not come back within {timeout} s: {replay.shards()}")
+
+
+def test_one_daemon_per_node_found_through_the_registry(cluster, replay):
+    shards = replay.shards()
+    assert sorted(s["node_id"] for s in shards) == sorted(cluster["nodes"].values())
+    assert len({s["address"] for s in shards}) == 2
+    assert {s["host_key"] for s in shards} == set(cluster["host_ids"].values())
+    for shard in shards:  # each node's checkpoints in its own folder
+        assert shard["state_dir"].endswith(f"rt/{shard['host_key']}")
+    assert gear_ray.addresses("rt") == [s["address"] for s in shards]
+    # A second deployment of the same name is refused; a bad config never starts an actor.
+    with pytest.raises(ValueError, match="runs already"):
+        gear_ray.start(CONFIG, name="rt", port=0, resource="gear")
+    with pytest.raises(ValueError, match="max_size"):
+        gear_ray.start(CONFIG.replace("max_size = 1000", "max_size = -1"), name="bad", port=0, resource="gear")
+    with pytest.raises(ValueError, match="no alive Ray node has resource 'nope'"):
+        gear_ray.start(CONFIG, name="bad", port=0, resource="nope")
+    with pytest.raises(LookupError, match="no gear deployment named 'bad'"):
+        gear_ray.attach("bad")
+
+
+def test_actors_insert_on_their_node_and_a_learner_samples_both_shards(cluster, replay):
+    actor_a = Actor.options(**_on("a")).remote()
+    actor_b = Actor.options(**_on("b")).remote()
+    assert ray.get(actor_a.host_id.remote()) == cluster["host_ids"]["a"]
+    ray.get(actor_a.write.remote("rt", 20, 0))
+    ray.get(actor_b.write.remote("rt", 10, 10_000))
+    # Each actor's episodes went to its own node's daemon.
+    assert _shard_sizes(replay) == {"a": 20, "b": 10}
+    # The learner on node B: every shard, global semantics (uniform: 1 / global size), its own shard over shm.
+    seen = ray.get(learn.options(**_on("b")).remote("rt", 16, 8))
+    assert seen["host_id"] == cluster["host_ids"]["b"]
+    assert len(seen["keys"]) == 128
+    assert set(seen["sizes"]) == {30}
+    assert np.allclose(seen["probabilities"], 1 / 30)
+    from_a = [f for f in seen["firsts"] if f < 10_000]
+    from_b = [f for f in seen["firsts"] if f >= 10_000]
+    assert from_a and from_b  # P(128 uniform picks miss a shard of 10 or 20 of 30) < 1e-22
+    assert 0.5 < len(from_a) / len(from_b) < 4.0  # 2:1 expected
+    assert seen["plane"] == "inline+shm"
+
+
+def test_a_killed_daemon_is_restarted_by_ray_and_comes_back_with_its_items(cluster, replay):
+    sizes = _shard_sizes(replay)
+    assert sum(sizes.values()) > 0
+    watcher = replay.client(shard_timeout_s=2.0, shard_retry_s=0.5)  # made before the kill: sees it go and return
+    assert watcher.server_info()["replay"].current_size == sum(sizes.values())
+    assert replay.client().checkpoint().count(",") == 1  # every shard writes its checkpoint
+    node_a = cluster["nodes"]["a"]
+    before = next(s for s in replay.shards() if s["node_id"] == node_a)
+    os.kill(before["pid"], signal.SIGKILL)
+    after = _wait_shard_back(replay, node_a, before["starts"] + 1)
+    assert after["pid"] != before["pid"] and after["address"] == before["address"]
+    assert after["restarted"]  # Ray restarted the actor, pinned to its node
+    assert _shard_sizes(replay) == sizes  # the checkpoint came back
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = watcher.server_info()["replay"]
+        if all(s.up for s in info.shards) and info.current_size == sum(sizes.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the client did not take the shard back: {watcher.shards()}")
+    watcher.close()
+    seen = ray.get(learn.options(**_on("b")).remote("rt", 16, 2))
+    assert any(f < 10_000 for f in seen["firsts"])  # node A's items are sampled again
+
+
+def test_stop_drains_and_a_new_start_restores_every_node(cluster, replay):
+    actor_b = Actor.options(**_on("b")).remote()
+    ray.get(actor_b.write.remote("rt", 5, 20_000))  # after the last explicit checkpoint
+    sizes = _shard_sizes(replay)
+    replay.stop(timeout_s=60)  # SIGTERM to each daemon: its final checkpoint
+    with pytest.raises(LookupError):
+        gear_ray.attach("rt")
+    again = gear_ray.start(CONFIG, name="rt", port=0, resource="gear",
+                           checkpoint_root=str(cluster["folder"] / "ckpt"), timeout_s=180)
+    try:
+        assert _shard_sizes(again) == sizes
+    finally:
+        again.stop(timeout_s=60)
