@@ -3,7 +3,7 @@
 ``Registry`` is a named actor: it holds the configuration document, the nodes chosen, and what each
 node's daemon last registered (address, port, process id). Clients ask it for the shard list; a
 restarted daemon actor asks it for the port its node had, so the shard comes back at the address the
-clients know.
+clients know. Ray restarts a registry that dies; the daemon actors register again within seconds.
 
 ``ShardDaemon`` runs ``gear-server`` as a child process on its node (``python -m gear_server --config
 FILE --control-fd N``: the child reports the port it bound, and stops gracefully, with its final
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 ENV_HOST_ID = "GEAR_HOST_ID"  # gear's host identity override (gear_contract.negotiation), also the node's key
 START_TIMEOUT_S = 900.0  # a daemon restoring a large checkpoint takes a while
 STOP_TIMEOUT_S = 900.0  # and so does its final checkpoint
+REREGISTER_S = 2.0  # how often a daemon actor checks that the registry still lists it
 
 
 class Registry:
@@ -125,8 +126,23 @@ class ShardDaemon:
         return process.returncode
 
     def _watch(self) -> None:
-        """A daemon that exits unasked takes the actor down, so Ray restarts both."""
-        code = self.process.wait()
+        """A daemon that exits unasked takes the actor down, so Ray restarts both. Meanwhile, every few seconds,
+        the registry is told about this daemon again if it lost track of it (a registry actor Ray restarted)."""
+        import ray
+
+        while True:
+            try:
+                code = self.process.wait(REREGISTER_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                known = ray.get(self.registry.previous.remote(self.node_id), timeout=REREGISTER_S)
+                if not known or known.get("pid") != self.entry["pid"]:
+                    ray.get(self.registry.register.remote(self.node_id, self.entry), timeout=REREGISTER_S)
+                    log.info("registered again with the registry of %s", self.address)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("the registry does not answer (%s); trying again in %.0f s", exc, REREGISTER_S)
         if self._stopping.is_set():
             return
         log.error("gear daemon pid %d exited (code %s): this actor exits for Ray to restart it", self.process.pid,

@@ -55,9 +55,14 @@ class GearCluster:
 
         return ray.get(self.registry.shards.remote())
 
-    def addresses(self) -> list[str]:
-        """The shard list, ``["ip:port", ...]``, the same order for every caller."""
-        return [s["address"] for s in self.shards()]
+    def addresses(self, timeout_s: float = 60.0) -> list[str]:
+        """The shard list, ``["ip:port", ...]``, the same order for every caller: every node's daemon, waiting up
+        to ``timeout_s`` for those not registered yet (starting, or a registry Ray restarted).
+
+        Raises:
+          TimeoutError: naming the nodes whose daemon has not registered.
+        """
+        return self.wait(timeout_s)
 
     def daemon(self, node_id: str) -> Any:
         """The actor handle of a node's daemon."""
@@ -81,12 +86,17 @@ class GearCluster:
         Raises:
           TimeoutError: naming the nodes whose daemon has not registered.
         """
+        import ray
+
         deadline = time.monotonic() + timeout_s
         while True:
-            registered = {s["node_id"] for s in self.shards()}
-            missing = [n for n in self.node_ids() if n not in registered]
+            try:
+                shards = self.shards()
+                missing = [n for n in self.node_ids() if n not in {s["node_id"] for s in shards}]
+            except ray.exceptions.RayActorError as exc:  # the registry is restarting
+                shards, missing = [], [f"all (the registry: {type(exc).__name__})"]
             if not missing:
-                return self.addresses()
+                return [s["address"] for s in shards]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gear daemons of node(s) {missing} did not register within {timeout_s:.0f} s")
             time.sleep(0.2)
@@ -160,7 +170,8 @@ def start(config: str | Path | Mapping[str, Any], *, name: str = DEFAULT_NAME, p
         raise ValueError(f"a gear deployment named {name!r} runs already (gear_ray.attach({name!r}).stop() ends it)")
     lifetime = {"lifetime": "detached"} if detached else {}
     registry = ray.remote(Registry).options(name=_registry_name(name), namespace=namespace, num_cpus=0,
-                                            max_concurrency=64, **lifetime).remote(name, document, chosen)
+                                            max_concurrency=64, max_restarts=-1, **lifetime).remote(name, document,
+                                                                                                    chosen)
     ray.get(registry.expected.remote())
     options = {"num_cpus": 0, **(actor_options or {})}
     daemon_class = ray.remote(ShardDaemon)
@@ -190,9 +201,10 @@ def attach(name: str = DEFAULT_NAME, namespace: str | None = None) -> GearCluste
     return GearCluster(name, namespace)
 
 
-def addresses(name: str = DEFAULT_NAME, namespace: str | None = None) -> list[str]:
-    """The shard list of deployment ``name`` (for datasets: ``TrajectoryDataset(addresses(), ...)``)."""
-    return attach(name, namespace).addresses()
+def addresses(name: str = DEFAULT_NAME, namespace: str | None = None, timeout_s: float = 60.0) -> list[str]:
+    """The shard list of deployment ``name`` (for datasets: ``TrajectoryDataset(addresses(), ...)``); see
+    ``GearCluster.addresses``."""
+    return attach(name, namespace).addresses(timeout_s)
 
 
 def client(name: str = DEFAULT_NAME, namespace: str | None = None, **kwargs: Any) -> Any:

@@ -159,6 +159,24 @@ def test_one_daemon_per_node_found_through_the_registry(cluster, replay):
         gear_ray.attach("bad")
 
 
+def test_a_registry_that_dies_is_restarted_and_relearns_the_daemons(replay):
+    before = replay.shards()
+    ray.kill(ray.get_actor("gear_ray.rt"), no_restart=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the restarted registry starts empty, then every daemon registers again
+        try:
+            after = replay.shards()
+        except ray.exceptions.RayActorError:
+            continue
+        if len(after) == 2 and all(a["registered_at"] > b["registered_at"] for a, b in zip(after, before)):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the daemons did not register again: {before} -> {replay.shards()}")
+    assert gear_ray.addresses("rt") == [b["address"] for b in before]
+    assert [a["pid"] for a in after] == [b["pid"] for b in before]  # the daemons themselves went on
+
+
 def test_actors_insert_on_their_node_and_a_learner_samples_both_shards(cluster, replay):
     actor_a = Actor.options(**_on("a")).remote()
     actor_b = Actor.options(**_on("b")).remote()
