@@ -95,6 +95,7 @@ class ShardDaemon:
         ip = _advertised_host(config.get("bind_address", "[::]"), ray.util.get_node_ip_address())
         self.address = f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}"
         self.entry = {"node_id": self.node_id, "address": self.address, "port": self.port, "pid": self.process.pid,
+                      "actor_pid": os.getpid(),
                       "state_dir": str(self.state_dir), "host_key": node_key,
                       "restarted": bool(context.was_current_actor_reconstructed)}
         ray.get(self.registry.register.remote(self.node_id, self.entry))

@@ -183,6 +183,19 @@ def test_the_learner_job_uses_the_service_and_the_secret():
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_the_image_copies_what_exists_and_runs_as_the_pods_user():
+    text = DOCKERFILE.read_text()
+    sources = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
+    assert sources
+    for group in sources:
+        for source in group:
+            assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
+    context = _pod("DaemonSet")["securityContext"]
+    assert (int(user[1]), int(user[2])) == (context["runAsUser"], context["runAsGroup"])
+    assert _daemon()["command"][0] == "gear-server"  # the console script pip installs
+
+
 def test_a_daemon_serves_the_configmap_config(tmp_path):
     """The ConfigMap's TOML, with the pod's paths and ports moved into this test's folder, runs a daemon whose
     gRPC health says SERVING without the token (what the kubelet's probes ask) and whose replay calls need it."""

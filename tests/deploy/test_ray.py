@@ -224,6 +224,20 @@ def test_a_killed_daemon_is_restarted_by_ray_and_comes_back_with_its_items(clust
     assert any(f < 10_000 for f in seen["firsts"])  # node A's items are sampled again
 
 
+def test_an_actor_process_that_dies_leaves_its_daemon_to_checkpoint_and_comes_back(cluster, replay):
+    """The actor's worker killed (not the daemon): the daemon sees its control socket close and stops gracefully,
+    writing its final checkpoint; the restarted actor waits for that, and its new daemon has every item, those
+    written after the last explicit checkpoint included."""
+    ray.get(Actor.options(**_on("b")).remote().write.remote("rt", 3, 30_000))
+    sizes = _shard_sizes(replay)
+    node_b = cluster["nodes"]["b"]
+    before = next(s for s in replay.shards() if s["node_id"] == node_b)
+    os.kill(before["actor_pid"], signal.SIGKILL)
+    after = _wait_shard_back(replay, node_b, before["starts"] + 1)
+    assert after["actor_pid"] != before["actor_pid"] and after["pid"] != before["pid"]
+    assert _shard_sizes(replay) == sizes
+
+
 def test_stop_drains_and_a_new_start_restores_every_node(cluster, replay):
     actor_b = Actor.options(**_on("b")).remote()
     ray.get(actor_b.write.remote("rt", 5, 20_000))  # after the last explicit checkpoint
