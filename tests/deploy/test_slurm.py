@@ -114,3 +114,22 @@ def test_a_one_node_job_serves_learns_and_checkpoints(tmp_path):
     node_dir = tmp_path / "state" / socket.gethostname()
     checkpoints = list((node_dir / "checkpoints").iterdir())
     assert checkpoints, f"no final checkpoint in {node_dir}; stderr:\n{out.stderr}"
+
+
+def test_the_example_learner_writes_what_the_shipped_tables_hold():
+    """deploy/gear_learner.py's default items fit the signature of the Slurm and Kubernetes configs."""
+    import importlib.util
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("gear_learner", ROOT / "deploy" / "gear_learner.py")
+    learner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learner)
+    args = learner.parse_args(["--shards", "a:1"])
+    configmap = (ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text()
+    k8s_toml = "\n".join(line[4:] for line in configmap.split("gear-server.toml: |\n", 1)[1].splitlines())
+    for document in (tomllib.loads(CONFIG.read_text()), tomllib.loads(k8s_toml)):
+        (table,) = document["tables"]
+        assert table["name"] == args.table
+        assert table["signature"]["observation"] == {"dtype": "float32", "shape": [-1, args.obs_dim]}
+        assert set(table["signature"]) == {"observation", "action", "reward"}
+
