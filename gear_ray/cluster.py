@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -9,6 +11,8 @@ from typing import Any
 
 from gear_ray.actors import STOP_TIMEOUT_S, Registry, ShardDaemon
 from gear_ray.config import config_document, select_nodes
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "gear"
 DEFAULT_PORT = 8000
@@ -27,8 +31,9 @@ def _daemon_name(name: str, node_id: str) -> str:
 class GearCluster:
     """A gear deployment on Ray: one daemon actor per chosen node and the registry that lists them.
 
-    The object ``start`` returns holds the actors' creating handles: unless the deployment is detached, Ray
-    ends its actors when that object is gone (or its driver exits).
+    The object ``start`` returns holds the actors' creating handles. A deployment that is not detached lives
+    until ``stop()`` or until its driver exits, which drains it first (an ``atexit`` hook): Ray would otherwise
+    end the actors, and with them the daemons, without their final checkpoints.
     """
 
     def __init__(self, name: str, namespace: str | None = None, owned: list[Any] | None = None):
@@ -124,6 +129,18 @@ class GearCluster:
             ray.kill(handle, no_restart=True)
         ray.kill(self.registry, no_restart=True)
         self._owned = []
+        atexit.unregister(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        """The driver exits: drain the daemons it started while Ray is still connected."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        try:
+            self.stop()
+        except Exception as exc:  # noqa: BLE001 - at exit there is no caller left to raise to
+            log.warning("gear_ray: draining deployment %r at exit failed: %s", self.name, exc)
 
 
 def start(config: str | Path | Mapping[str, Any], *, name: str = DEFAULT_NAME, port: int = DEFAULT_PORT,
@@ -149,7 +166,8 @@ def start(config: str | Path | Mapping[str, Any], *, name: str = DEFAULT_NAME, p
       timeout_s: how long to wait for every daemon to serve (restores of large checkpoints take minutes).
 
     Returns:
-      The GearCluster, every daemon serving. Keep it: unless ``detached``, the actors end with it.
+      The GearCluster, every daemon serving. Unless ``detached``, it lives until ``stop()`` or the driver's
+      exit, which drains it.
 
     Raises:
       ConfigError: the configuration is invalid (checked before any actor starts).
@@ -184,6 +202,8 @@ def start(config: str | Path | Mapping[str, Any], *, name: str = DEFAULT_NAME, p
             **lifetime, **options).remote(name, _registry_name(name), namespace, int(port), checkpoint_root,
                                           log_level))
     cluster = GearCluster(name, namespace, owned=[registry, *actors])
+    if not detached:
+        atexit.register(cluster._stop_at_exit)  # runs before ray.shutdown's own hook (registered earlier)
     try:
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)
     except BaseException:

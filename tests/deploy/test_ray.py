@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +26,7 @@ import gear_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
+ROOT = Path(__file__).resolve().parents[2]
 NODES = ("a", "b")
 CONFIG = """
 bind_address = "127.0.0.1"
@@ -130,7 +134,7 @@ def _shard_sizes(replay) -> dict[str, int]:
     return out
 
 
-def _wait_shard_back(replay, node_id: str, starts: int, timeout: float = 120.0) -> dict:
+def _wait_shard_back(replay, node_id: str, starts: int, timeout: float = 180.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for shard in replay.shards():
@@ -162,7 +166,7 @@ def test_one_daemon_per_node_found_through_the_registry(cluster, replay):
 def test_a_registry_that_dies_is_restarted_and_relearns_the_daemons(replay):
     before = replay.shards()
     ray.kill(ray.get_actor("gear_ray.rt"), no_restart=False)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # the restarted registry starts empty, then every daemon registers again
         try:
             after = replay.shards()
@@ -211,7 +215,7 @@ def test_a_killed_daemon_is_restarted_by_ray_and_comes_back_with_its_items(clust
     assert after["pid"] != before["pid"] and after["address"] == before["address"]
     assert after["restarted"]  # Ray restarted the actor, pinned to its node
     assert _shard_sizes(replay) == sizes  # the checkpoint came back
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         info = watcher.server_info()["replay"]
         if all(s.up for s in info.shards) and info.current_size == sum(sizes.values()):
@@ -224,17 +228,21 @@ def test_a_killed_daemon_is_restarted_by_ray_and_comes_back_with_its_items(clust
     assert any(f < 10_000 for f in seen["firsts"])  # node A's items are sampled again
 
 
-def test_an_actor_process_that_dies_leaves_its_daemon_to_checkpoint_and_comes_back(cluster, replay):
-    """The actor's worker killed (not the daemon): the daemon sees its control socket close and stops gracefully,
-    writing its final checkpoint; the restarted actor waits for that, and its new daemon has every item, those
-    written after the last explicit checkpoint included."""
+def test_an_actor_process_that_dies_is_restarted_with_its_nodes_checkpoint(cluster, replay):
+    """The actor's worker killed (not the daemon): Ray ends the dead worker's children, the daemon among them
+    (maybe in the middle of its final checkpoint, which the next start discards), and restarts the actor,
+    whose new daemon restores the node's last complete checkpoint at the same address."""
     ray.get(Actor.options(**_on("b")).remote().write.remote("rt", 3, 30_000))
     sizes = _shard_sizes(replay)
+    client = replay.client()
+    client.checkpoint()
+    client.close()
     node_b = cluster["nodes"]["b"]
     before = next(s for s in replay.shards() if s["node_id"] == node_b)
     os.kill(before["actor_pid"], signal.SIGKILL)
     after = _wait_shard_back(replay, node_b, before["starts"] + 1)
     assert after["actor_pid"] != before["actor_pid"] and after["pid"] != before["pid"]
+    assert after["address"] == before["address"] and after["restarted"]
     assert _shard_sizes(replay) == sizes
 
 
@@ -249,5 +257,38 @@ def test_stop_drains_and_a_new_start_restores_every_node(cluster, replay):
                            checkpoint_root=str(cluster["folder"] / "ckpt"), timeout_s=180)
     try:
         assert _shard_sizes(again) == sizes
+    finally:
+        again.stop(timeout_s=60)
+
+
+DRIVER = """
+import sys
+import numpy as np
+import ray
+import gear_ray
+
+ray.init(address=sys.argv[1])
+replay = gear_ray.start(sys.argv[2], name="exit", port=0, resource="gear", checkpoint_root=sys.argv[3], timeout_s=180)
+client = replay.client()
+with client.trajectory_writer(4) as writer:
+    for e in range(6):
+        for s in range(4):
+            writer.append({"observation": np.full(8, s, np.float32), "step": np.int64(s)})
+        writer.create_item("replay", 1.0, {k: writer.history[k][-4:] for k in ("observation", "step")})
+        writer.end_episode()
+client.close()
+print("wrote 6 items; exiting without stop()", flush=True)
+"""
+
+
+def test_a_driver_that_exits_without_stop_drains_its_deployment(cluster):
+    root = cluster["folder"] / "ckpt-exit"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", DRIVER, cluster["cluster"].address, CONFIG, str(root)], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "wrote 6 items" in out.stdout, out.stdout + out.stderr[-3000:]
+    again = gear_ray.start(CONFIG, name="exit", port=0, resource="gear", checkpoint_root=str(root), timeout_s=180)
+    try:
+        assert sum(_shard_sizes(again).values()) == 6  # every item came from the final checkpoints
     finally:
         again.stop(timeout_s=60)
