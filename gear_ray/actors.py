@@ -6,11 +6,11 @@ restarted daemon actor asks it for the port its node had, so the shard comes bac
 clients know. Ray restarts a registry that dies; the daemon actors register again within seconds.
 
 ``ShardDaemon`` runs ``gear-server`` as a child process on its node (``python -m gear_server --config
-FILE --control-fd N``: the child reports the port it bound, and stops gracefully, with its final
-checkpoint, when the socket closes, so it never outlives the actor by more than its stop). When the
-child exits without being asked to, the actor exits too and Ray restarts it (``max_restarts``); the new
-actor waits for the old child to finish, starts a daemon that restores the node's checkpoint, and
-registers again. ``stop()`` drains: SIGTERM to the child, whose graceful stop writes the checkpoint.
+FILE --control-fd N``: the child reports the port it bound, and stops when the socket closes, so it never
+outlives the actor; Ray also ends a dead worker's children). When the child exits without being asked
+to, the actor exits too and Ray restarts it (``max_restarts``); the new actor waits for the old child to
+be gone, starts a daemon that restores the node's last complete checkpoint, and registers again.
+``stop()`` drains: SIGTERM to the child, whose graceful stop writes the final checkpoint.
 """
 
 from __future__ import annotations
