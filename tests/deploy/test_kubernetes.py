@@ -6,19 +6,19 @@ from __future__ import annotations
 import posixpath
 import re
 import tomllib
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gear_server.config import load_config
-from tests.ops._support import DaemonProcess, free_port
+from tests.support.daemon_process import DaemonProcess
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
 
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the dev extra)")
 
-ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 DOCKERFILE = ROOT / "deploy" / "container" / "Dockerfile"
 KUBERNETES_VERSION = "1.33.0"  # the schemas checked against (kubernetes-validate ships them)

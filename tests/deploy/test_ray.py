@@ -13,10 +13,11 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.support.paths import ROOT
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (make test-ray)")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -26,7 +27,6 @@ import gear_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
 NODES = ("a", "b")
 CONFIG = """
 bind_address = "127.0.0.1"

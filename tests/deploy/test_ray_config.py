@@ -11,8 +11,8 @@ import pytest
 
 from gear_ray.config import ConfigError, config_document, node_document, render_toml, select_nodes
 from gear_server.config import load_config, parse_config
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [ROOT / "deploy" / "gear-server.example.toml", ROOT / "deploy" / "sharding" / "gear-shard.toml",
             ROOT / "deploy" / "slurm" / "gear-shard.toml"]
 

@@ -6,15 +6,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.support.paths import ROOT
 
 pytest.importorskip("ray", reason="Ray is not installed (make test-ray)")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "DEPLOY.md"
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from gear_server.config import load_config
-from tests.ops._support import free_port
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "gear.sbatch"
 CONFIG = ROOT / "deploy" / "slurm" / "gear-shard.toml"
 BASH = shutil.which("bash")
