@@ -35,9 +35,9 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_server.errors import CallCancelled, TableNotFoundError
 from gear_server.ingest.commit_lane import CommitLane
+from gear_server.rpc.insert_requests import SERVICE_NAME
 from gear_server.rpc.statuses import LimitExceeded, abort_for
 from gear_server.rpc.table_calls import TableCalls
-from gear_server.serving.service import SERVICE_NAME
 from gear_server.storage import pid_alive
 from gear_server.table.items import ReservedItem
 from gear_server.table.reserve import LayoutMoved

@@ -69,11 +69,18 @@ from gear_contract.slot_writer import SlotWriter
 from gear_server.errors import CallCancelled
 from gear_server.ops.auth import AuthSettings
 from gear_server.rpc.event_loop import new_event_loop
+from gear_server.rpc.insert_requests import (
+    INSERT_STREAM_METHOD,
+    SERVICE_NAME,
+    Chunk,
+    build_item,
+    receive_chunks,
+    serialize,
+)
 from gear_server.rpc.interceptors import CallGuard
 from gear_server.rpc.limits import ByteBudget, LimitSettings
 from gear_server.rpc.ports import GRPC_OPTIONS, bind
 from gear_server.rpc.statuses import RefusalLog, abort_for, status_of
-from gear_server.serving.service import SERVICE_NAME, _Chunk, _serialize, build_item, receive_chunks
 from gear_server.table.items import BadRequest, PreparedItem
 
 log = logging.getLogger("gear_server.ingest.worker_process")
@@ -91,7 +98,6 @@ TABLES_AT_ONCE = 8
 WRITER_IDLE_S = 5.0
 READ_AHEAD_REQUESTS = 16  # requests a stream reads while its earlier items are written and committed
 READ_AHEAD_BYTES = 4 << 20  # ... and their bytes (one request always, however large)
-_INSERT_STREAM = "/gear.v1.ReplayService/InsertStream"
 
 _Built = tuple[pb.PrioritizedItem, PreparedItem]
 
@@ -236,7 +242,7 @@ class IngestService:
     async def start(self) -> None:
         """The forwarding channel and the task closing idle writers (on the serving loop)."""
         self._channel = aio.insecure_channel(self.daemon_address, options=CHANNEL_OPTIONS)
-        self._forward = self._channel.stream_stream(_INSERT_STREAM, request_serializer=_serialize,
+        self._forward = self._channel.stream_stream(INSERT_STREAM_METHOD, request_serializer=serialize,
                                                     response_deserializer=pb.InsertStreamResponse.FromString)
         self._reaper = asyncio.get_running_loop().create_task(self._close_idle_writers())
 
@@ -258,7 +264,7 @@ class IngestService:
 
     def add_to_server(self, server: aio.Server) -> None:
         handler = grpc.stream_stream_rpc_method_handler(
-            self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString, response_serializer=_serialize)
+            self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString, response_serializer=serialize)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"InsertStream": handler}),))
 
     # ------------------------------------------------------------------ the RPC
@@ -267,9 +273,9 @@ class IngestService:
         """Requests read ahead (``READ_AHEAD_REQUESTS``) while earlier items commit; what came meanwhile is
         written and committed as one batch (one pool job, one wait, one acknowledgement), so a stream's
         items are not each a commit round trip and the daemon gets fewer, larger commits."""
-        chunks: dict[int, _Chunk] = {}
+        chunks: dict[int, Chunk] = {}
         held = self.buffers.stream()
-        ahead = _ReadAhead()
+        ahead = ReadAhead()
         reader = asyncio.ensure_future(ahead.read(request_iterator))
         n = -1
         try:
@@ -279,7 +285,7 @@ class IngestService:
                 built: list[_Built] = []
                 failure: BaseException | None = None
                 for request in batch:
-                    if request is _END:
+                    if request is STREAM_END:
                         ended = True
                         break
                     if isinstance(request, BaseException):  # reading failed: what came before still goes in
@@ -415,10 +421,10 @@ class IngestService:
         return keys, None
 
 
-_END = object()  # the client half-closed its stream
+STREAM_END = object()  # the client half-closed its stream
 
 
-class _ReadAhead:
+class ReadAhead:
     """A stream's requests read while its earlier items commit: at most ``READ_AHEAD_REQUESTS`` and
     ``READ_AHEAD_BYTES`` wait (one request always may, however large); past that the stream is not
     read, and gRPC's flow control holds the client. Memory per stream stays bounded as when each
@@ -432,11 +438,11 @@ class _ReadAhead:
         self._room.set()
 
     async def read(self, request_iterator: AsyncIterator[pb.InsertStreamRequest]) -> None:
-        """Every request, then ``_END``, or the error that ended the reading (run as a task)."""
+        """Every request, then ``STREAM_END``, or the error that ended the reading (run as a task)."""
         try:
             async for request in request_iterator:
                 await self._put(request, request.ByteSize())
-            await self._put(_END, 0)
+            await self._put(STREAM_END, 0)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the stream's handler

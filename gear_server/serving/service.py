@@ -51,18 +51,17 @@ from gear_contract.lane_frames import (
 )
 from gear_contract.wire import PriorityUpdates, decode_mutate_priorities, encode_sample_response
 from gear_server.data_planes.manager import DataPlaneManager
-from gear_server.errors import TableNotFoundError, shorten
+from gear_server.errors import TableNotFoundError
 from gear_server.ops.metrics import ServerMetrics
+from gear_server.rpc.insert_requests import SERVICE_NAME, Chunk, build_item, receive_chunks, serialize
 from gear_server.rpc.limits import MAX_ITEMS_PER_SAMPLE_REQUEST, ByteBudget, LimitSettings
 from gear_server.rpc.statuses import RefusalLog, abort_for, find_table, status_of
 from gear_server.rpc.table_calls import InlineTableCalls, JoinedSelection, TableCalls
 from gear_server.serving.lane_server import LaneContext, LocalLaneServer
-from gear_server.table.items import BadRequest, ItemToInsert, tensor_to_array
+from gear_server.table.items import BadRequest, ItemToInsert
 from gear_server.table.table import Table
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = "gear.v1.ReplayService"
 
 # Bytes of item data per SampleResponse: large enough to amortise per-message
 # costs, small enough that producing and consuming messages overlap (measured
@@ -71,67 +70,6 @@ TARGET_SAMPLE_MESSAGE_BYTES = int(os.environ.get("GEAR_SAMPLE_MESSAGE_BYTES", 2 
 MAX_ITEMS_PER_SAMPLE_MESSAGE = 256
 # A message the caller sized (max_items_per_message) holds at most this many bytes of items.
 MAX_SAMPLE_MESSAGE_BYTES = min(MAX_MESSAGE_BYTES, 64 << 20)
-
-
-class _Chunk:
-    """A chunk received on an insert stream: its steps as an array."""
-
-    __slots__ = ("array", "episode_id", "nbytes")
-
-    def __init__(self, array: np.ndarray, episode_id: int, nbytes: int):
-        self.array = array
-        self.episode_id = episode_id
-        self.nbytes = nbytes
-
-
-def receive_chunks(request: pb.InsertStreamRequest, chunks: dict[int, _Chunk], held: Any) -> None:
-    """Keep a request's chunks as arrays, their bytes counted against the stream's limits (``held``:
-    take/give a stream's bytes; a limit raises LimitExceeded); a resent chunk key replaces the old one."""
-    for chunk in request.chunks:
-        nbytes = len(chunk.data.data)
-        previous = chunks.get(chunk.chunk_key)
-        held.take(nbytes)
-        chunks[chunk.chunk_key] = _Chunk(tensor_to_array(chunk.data, f"chunk {chunk.chunk_key}", min_rank=1),
-                                         chunk.episode_id, nbytes)
-        if previous is not None:
-            held.give(previous.nbytes)
-
-
-def build_item(item: pb.PrioritizedItem, chunks: Mapping[int, _Chunk]) -> ItemToInsert:
-    """Build one PrioritizedItem's ItemToInsert from the stream's chunks, validated (gear_server.table.items)."""
-    where = f"item {item.key} for table '{shorten(item.table)}'"
-    columns = []
-    squeeze = []
-    episodes = set()
-    for c, column in enumerate(item.columns):
-        if not column.slices:
-            raise BadRequest(f"{where}: column {c} is empty")
-        parts = []
-        for s in column.slices:
-            chunk = chunks.get(s.chunk_key)
-            if chunk is None:
-                raise BadRequest(f"{where}: column {c} references unknown chunk {s.chunk_key}")
-            steps = chunk.array.shape[0]
-            if s.offset < 0 or s.length < 1 or s.offset + s.length > steps:
-                raise BadRequest(f"{where}: column {c} slice [{s.offset}, {s.offset + s.length}) is outside "
-                                 f"chunk {s.chunk_key} of {steps} steps")
-            parts.append(chunk.array[s.offset:s.offset + s.length])
-            episodes.add(chunk.episode_id)
-        if column.squeeze:
-            if len(parts) != 1 or parts[0].shape[0] != 1:
-                raise BadRequest(f"{where}: column {c} is squeezed but spans "
-                                 f"{sum(p.shape[0] for p in parts)} steps")
-            columns.append(parts[0][0, ...])  # a 0-d array for scalar steps, not a numpy scalar
-        else:
-            columns.append(parts[0] if len(parts) == 1 else parts)
-        squeeze.append(bool(column.squeeze))
-    built = ItemToInsert(key=int(item.key), priority=float(item.priority), structure=item.structure,
-                         columns=columns, squeeze=squeeze, episode_ids=frozenset(episodes), resend=item.resend)
-    try:
-        built.validated()
-    except ValueError as e:
-        raise BadRequest(f"table '{shorten(item.table)}': {e}") from None
-    return built
 
 
 # ------------------------------------------------------------ sample encoding ----
@@ -181,7 +119,7 @@ class ReplayService:
     # -------------------------------------------------------------- inserts
     async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
                            context: aio.ServicerContext) -> AsyncIterator[pb.InsertStreamResponse]:
-        chunks: dict[int, _Chunk] = {}
+        chunks: dict[int, Chunk] = {}
         held = self.buffers.stream()
         n = -1
         try:
@@ -364,11 +302,11 @@ class ReplayService:
         """Handlers for every RPC; Sample sends pre-serialized bytes."""
         def unary(fn: Callable, req: Any) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                       response_serializer=_serialize)
+                                                       response_serializer=serialize)
         return {
             "InsertStream": grpc.stream_stream_rpc_method_handler(
                 self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString,
-                response_serializer=_serialize),
+                response_serializer=serialize),
             "Sample": grpc.unary_stream_rpc_method_handler(
                 self.Sample, request_deserializer=pb.SampleRequest.FromString, response_serializer=_identity),
             "MutatePriorities": grpc.unary_unary_rpc_method_handler(self.MutatePriorities, request_deserializer=None,
@@ -439,10 +377,6 @@ def _parse(message_type: Any, data: bytes) -> Any:
         return message_type.FromString(data)
     except Exception as e:  # noqa: BLE001 (protobuf raises DecodeError, or others on odd input)
         raise ValueError(f"not a valid request message ({e})") from None
-
-
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
 
 
 def _encode_and_release(table: Table, selection: JoinedSelection) -> list[bytes] | BaseException:

@@ -380,7 +380,7 @@ def test_a_streams_read_ahead_is_bounded_in_requests_and_bytes():
     (one request always) and READ_AHEAD_REQUESTS waiting: past that it stops reading the stream."""
     import asyncio
 
-    from gear_server.ingest import worker_process as worker
+    from gear_server.ingest.worker_process import READ_AHEAD_REQUESTS, STREAM_END, ReadAhead
 
     big = pb.InsertStreamRequest(chunks=[pb.ChunkData(chunk_key=1, data=pb.Tensor(data=b"\0" * (3 << 20)))])
     small = pb.InsertStreamRequest(release_chunk_keys=[7])
@@ -392,7 +392,7 @@ def test_a_streams_read_ahead_is_bounded_in_requests_and_bytes():
             yield item
 
     async def scenario():
-        ahead = worker._ReadAhead()
+        ahead = ReadAhead()
         reader = asyncio.ensure_future(ahead.read(requests([big, big, big])))
         await asyncio.sleep(0.05)
         assert len(yielded) == 2  # the second 3 MiB request waits for room: the third is not read
@@ -400,15 +400,15 @@ def test_a_streams_read_ahead_is_bounded_in_requests_and_bytes():
         await asyncio.sleep(0.05)
         assert await ahead.take_all() == [big]
         await asyncio.sleep(0.05)
-        assert await ahead.take_all() == [big, worker._END]
+        assert await ahead.take_all() == [big, STREAM_END]
         await reader
         yielded.clear()
-        ahead = worker._ReadAhead()
-        count = worker.READ_AHEAD_REQUESTS + 5
+        ahead = ReadAhead()
+        count = READ_AHEAD_REQUESTS + 5
         reader = asyncio.ensure_future(ahead.read(requests([small] * count)))
         await asyncio.sleep(0.05)
-        assert len(yielded) == worker.READ_AHEAD_REQUESTS + 1  # one more read, waiting for room
-        assert len(await ahead.take_all()) == worker.READ_AHEAD_REQUESTS
+        assert len(yielded) == READ_AHEAD_REQUESTS + 1  # one more read, waiting for room
+        assert len(await ahead.take_all()) == READ_AHEAD_REQUESTS
         await asyncio.sleep(0.05)
         assert len(await ahead.take_all()) == 5 + 1  # the rest and the end
         await reader
