@@ -1,14 +1,11 @@
 """One table's insert-plane work (reserves and commits), run by one pool job at a time, batched.
 
-Each CommitSlots message used to become its own pool job, so with many
-same-host writers every table-pool thread sat waiting on the same table lock
-and a learner's Select or Release queued behind them (8 writers committing
-~6,000 items/s cut a learner's pull from 48 to 12 GB/s on the 16-core H100
-machine). A lane keeps at most one pool job per table for the insert plane:
-the reserves and commits that arrive while it runs are taken together by its
-next jobs, in arrival order (a run of reserves in one job, a run of commits in
-one ``insert_many``), so writers never contend with each other for the lock
-and the pool keeps threads free for the other calls.
+A lane keeps at most one pool job per table for the insert plane: the
+reserves and commits that arrive while it runs are taken together by its next
+jobs, in arrival order (a run of reserves in one job, a run of commits in one
+``insert_many``). Same-host writers then never contend with each other for the
+table's lock, and the pool keeps threads free for the other calls (a learner's
+Select and Release do not queue behind a crowd of commits).
 
 Semantics are those of one ``TableCalls.insert_many`` per message: items of a
 message go in order, the rate limiter holds the lane (later messages of the

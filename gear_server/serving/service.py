@@ -64,8 +64,7 @@ from gear_server.table.table import Table
 log = logging.getLogger(__name__)
 
 # Bytes of item data per SampleResponse: large enough to amortise per-message
-# costs, small enough that producing and consuming messages overlap (measured
-# on loopback: 1-2 MiB per message is best for 256 KiB items).
+# costs, small enough that producing and consuming messages overlap.
 TARGET_SAMPLE_MESSAGE_BYTES = int(os.environ.get("GEAR_SAMPLE_MESSAGE_BYTES", 2 << 20))
 MAX_ITEMS_PER_SAMPLE_MESSAGE = 256
 # A message the caller sized (max_items_per_message) holds at most this many bytes of items.

@@ -14,13 +14,15 @@ mappings stay valid). A longer item needs a new segment (layout version + 1)
 into which the used slots are copied; the old one is released (learners still
 mapping it keep their mapping until they follow the new layout version).
 
-Every method runs under the table's lock; the table makes sure no copy into a
-slot is in flight while the segment is replaced.
+A store is not thread-safe: its table calls it under the table's lock and makes
+sure no copy into a slot is in flight while the segment is replaced.
 """
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -125,6 +127,15 @@ def row_layout(table: str, path: str, capacity: int, specs: list[ColumnSpec], le
     placed = tuple(ColumnLayout(spec.name, spec.dtype, tuple(int(d) for d in spec.step_shape), off, row, length,
                                 spec.squeeze) for spec, length, _, off in columns)
     return TableLayout(table, path, int(capacity), placed, version, structure)
+
+
+def structure_of(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> pb.Structure | None:
+    """The items' structure a checkpoint records (``ColumnStore.snapshot``); None when it records none."""
+    if not scalars.get("has_structure"):
+        return None
+    structure = pb.Structure()
+    structure.ParseFromString(np.asarray(arrays["structure"], np.uint8).tobytes())
+    return structure
 
 
 def row_bytes(layout: TableLayout) -> int:
@@ -272,6 +283,41 @@ class ColumnStore:
 
     def read(self, slots: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         return gather(self.views, self.specs, slots, lengths)
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self, slots: np.ndarray, lengths: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The bytes of the items in ``slots`` (``lengths``: their steps per column) as checkpoint arrays,
+        and the layout as scalars (docs/CHECKPOINT_FORMAT.md).
+
+        Arrays: column/<c> (the items' steps concatenated, as ``Table.read``; none before the layout is
+        known) and structure (a serialised gear.v1.Structure, empty when none is known). Scalars:
+        columns (name, dtype, step shape, squeeze and max_length per column) and has_structure.
+        """
+        arrays: dict[str, np.ndarray] = {}
+        columns: list[dict[str, Any]] = []
+        if self.specs is not None:
+            for c, data in enumerate(self.read(slots, lengths)):
+                arrays[f"column/{c}"] = data
+            for spec, col in zip(self.specs, self.layout.columns, strict=True):
+                columns.append({**spec.to_json(), "max_length": col.max_length})
+        structure = self.structure.SerializeToString() if self.structure is not None else b""
+        arrays["structure"] = np.frombuffer(structure, np.uint8).copy()
+        return arrays, {"columns": columns, "has_structure": self.structure is not None}
+
+    def restore(self, arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any], slots: np.ndarray,
+                lengths: np.ndarray, capacity: int) -> None:
+        """Load what ``snapshot`` returned: the structure, a new segment of ``capacity`` slots in the
+        snapshot's layout (when it has one), and the items' bytes into ``slots``."""
+        structure = structure_of(arrays, scalars)
+        if structure is not None:
+            self.structure = structure
+        specs = [ColumnSpec.from_json(c) for c in scalars["columns"]]
+        if not specs:
+            return
+        self.learn(specs, [int(c["max_length"]) for c in scalars["columns"]], self.structure, capacity)
+        if len(slots):
+            self.reserve(int(slots.max()))
+        scatter(self.views, self.specs, slots, lengths, [arrays[f"column/{c}"] for c in range(len(specs))])
 
     def close(self) -> None:
         """Release the segment (views already handed out keep their mapping alive)."""

@@ -4,7 +4,7 @@ A table with a signature fixes its layout from it; one without learns it from
 the first item and relearns it (a new segment, layout version + 1) from an item
 of another layout once it is empty and idle; until then such items go to the
 side store. Longer items regrow the slots (items kept); more items than slots
-grow the capacity. Every function here runs with the table's lock held.
+grow the capacity. Every function here is called with the table's lock held (``_locked``).
 """
 
 from __future__ import annotations
@@ -24,56 +24,60 @@ class Placement(enum.Enum):
     SIDE = "side"  # another layout while the table holds items: the side store (no signature only)
 
 
-def can_relearn(st: TableCore) -> bool:
-    """Whether a signature-less table may take a new layout now: it holds no item, lease or copy."""
-    return st.signature is None and st.columns.learned and st.slots.idle() and not st.copies_in_flight
+def can_relearn_locked(core: TableCore) -> bool:
+    """Whether a signature-less table may take a new layout now: it holds no item, lease or copy.
+
+    The caller holds the lock.
+    """
+    return core.signature is None and core.columns.learned and core.slots.idle() and not core.copies_in_flight
 
 
-def placement(st: TableCore, prep: PreparedItem) -> Placement:
+def placement_locked(core: TableCore, prep: PreparedItem) -> Placement:
     """Where the item goes: the column slots, a relearned layout (the table is empty and idle), or the
     side store (a signature-less table holding items of another layout). With a signature the item
-    must fit it (ValueError naming the leaf otherwise)."""
-    if not st.columns.learned:
-        check_fits(st, prep)
+    must fit it (ValueError naming the leaf otherwise). The caller holds the lock."""
+    if not core.columns.learned:
+        check_fits_locked(core, prep)
         return Placement.COLUMNS
-    if st.columns.fits(prep):
-        check_fits(st, prep)
+    if core.columns.fits(prep):
+        check_fits_locked(core, prep)
         return Placement.COLUMNS
-    if can_relearn(st):
+    if can_relearn_locked(core):
         return Placement.RELEARN
-    if st.signature is None:
+    if core.signature is None:
         return Placement.SIDE
-    check_fits(st, prep)
+    check_fits_locked(core, prep)
     return Placement.COLUMNS
 
 
-def check_fits(st: TableCore, prep: PreparedItem) -> None:
-    """ValueError unless the item matches the signature and the learned layout."""
+def check_fits_locked(core: TableCore, prep: PreparedItem) -> None:
+    """ValueError unless the item matches the signature and the learned layout. The caller holds the lock."""
     # a signature compares flattened leaves (Reverb); a learned layout the whole structure
-    why = st.columns.structure_mismatch(prep) if st.signature is None else None
-    if why is None and st.signature is not None:
+    why = core.columns.structure_mismatch(prep) if core.signature is None else None
+    if why is None and core.signature is not None:
         try:
-            st.signature.check(prep)
+            core.signature.check(prep)
         except ValueError as e:
             why = str(e)
     if why is None:
-        why = st.columns.layout_mismatch(prep)
+        why = core.columns.layout_mismatch(prep)
     if why is not None:
         raise ValueError(why)
 
 
-def learn_layout(st: TableCore, prep: PreparedItem) -> None:
+def learn_layout_locked(core: TableCore, prep: PreparedItem) -> None:
     """Fix the column specs from the first item, or relearn them from an item that breaks the
     learned ones while the table holds nothing, and create the segment.
 
     A relearned layout gets a new segment (version + 1, the old one is released) and a new
     layout epoch, so waiting inserts re-validate and data-plane sessions fetch the new layout.
+    The caller holds the lock (released while it waits for copies in flight).
     """
-    st.begin_exclusive()
+    core.begin_exclusive_locked()
     try:
-        if st.columns.learned and not (can_relearn(st) and not st.columns.fits(prep)):
+        if core.columns.learned and not (can_relearn_locked(core) and not core.columns.fits(prep)):
             return  # learned meanwhile (and the item fits, or it is refused by the caller)
-        sig = st.signature
+        sig = core.signature
         names = sig.names() if sig is not None else leaf_paths(prep.structure)
         specs = [ColumnSpec(names[c], dtype, tuple(shape), squeezed)
                  for c, (dtype, shape, squeezed) in enumerate(prep.specs)]
@@ -86,31 +90,37 @@ def learn_layout(st: TableCore, prep: PreparedItem) -> None:
             if fixed >= 0:
                 lengths.append(int(fixed))
             else:
-                lengths.append(max(int(st.config.initial_max_length), prep.lengths[c], 1))
+                lengths.append(max(int(core.config.initial_max_length), prep.lengths[c], 1))
         structure = pb.Structure()
         structure.CopyFrom(sig.structure if sig is not None else prep.structure)
-        capacity = st.columns.initial_capacity(specs, lengths, at_least=st.capacity, at_most=st.max_size + st.spare)
-        st.columns.learn(specs, lengths, structure, capacity)
-        st.slots.set_num_columns(len(specs))
-        st.grow_slots(capacity)
+        capacity = core.columns.initial_capacity(specs, lengths, at_least=core.capacity, at_most=core.max_size + core.spare)
+        core.columns.learn(specs, lengths, structure, capacity)
+        core.slots.set_num_columns(len(specs))
+        core.grow_slots_locked(capacity)
     finally:
-        st.end_exclusive()
+        core.end_exclusive_locked()
 
 
-def next_capacity(st: TableCore) -> int:
-    """Slots after a growth: doubling up to max_size + spare, then spare more (leases pin deleted slots)."""
-    full = st.max_size + st.spare
-    if st.capacity < full:
-        return min(full, 2 * st.capacity)
-    return st.capacity + max(st.spare, 16)
+def next_capacity_locked(core: TableCore) -> int:
+    """Slots after a growth: doubling up to max_size + spare, then spare more (leases pin deleted slots).
+
+    The caller holds the lock.
+    """
+    full = core.max_size + core.spare
+    if core.capacity < full:
+        return min(full, 2 * core.capacity)
+    return core.capacity + max(core.spare, 16)
 
 
-def regrow(st: TableCore, capacity: int, lengths: list[int] | None) -> None:
-    """Move to a new segment with more slots and/or longer slots, items kept."""
-    st.begin_exclusive()
+def regrow_locked(core: TableCore, capacity: int, lengths: list[int] | None) -> None:
+    """Move to a new segment with more slots and/or longer slots, items kept.
+
+    The caller holds the lock (released while it waits for copies in flight).
+    """
+    core.begin_exclusive_locked()
     try:
-        if not st.columns.regrow(capacity, lengths, st.slots.rows_in_use()):
+        if not core.columns.regrow(capacity, lengths, core.slots.rows_in_use()):
             return
-        st.grow_slots(st.columns.layout.capacity)
+        core.grow_slots_locked(core.columns.layout.capacity)
     finally:
-        st.end_exclusive()
+        core.end_exclusive_locked()

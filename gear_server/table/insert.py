@@ -2,8 +2,8 @@
 
 The item is validated completely before anything changes. Under the lock the
 insert waits for the rate limiter, fits its item to the layout (learning,
-relearning or growing it: ``layout_fitting``) and takes a free slot; the bytes
-are copied without the lock (``copies_in_flight`` holds off growth, reset,
+relearning or growing it: ``fitting``) and takes a free slot; the bytes
+are copied without the lock (a copy in flight holds off growth, reset,
 restore and close meanwhile) and the item is published under it. An existing
 key is a priority update (Reverb); a failed insert gives its slot and its
 rate-limiter reservation back.
@@ -16,59 +16,65 @@ import time
 from gear_server.errors import TableClosedError
 from gear_server.table.columns import write_item
 from gear_server.table.core import Abandoned, TableCore
-from gear_server.table.fitting import Placement, can_relearn, learn_layout, next_capacity, placement, regrow
+from gear_server.table.fitting import (
+    Placement,
+    can_relearn_locked,
+    learn_layout_locked,
+    next_capacity_locked,
+    placement_locked,
+    regrow_locked,
+)
 from gear_server.table.items import ItemToInsert, PreparedItem
 from gear_server.table.rate_limiter import deadline_after
 from gear_server.table.side_store import SideItem
 
 
-def insert(st: TableCore, item: ItemToInsert, timeout: float | None = None, abandoned: Abandoned = None) -> None:
+def insert(core: TableCore, item: ItemToInsert, timeout: float | None = None, abandoned: Abandoned = None) -> None:
     """Insert (or, for an existing key, update the priority of) one item (``Table.insert``)."""
     deadline = deadline_after(timeout)
     prep = item.validated()
-    with st.lock:
-        st.check_open()
-        where = placement(st, prep)
-        if prep.key in st.slots.key_to_slot:
-            st.existing_key(prep)
+    with core.lock:
+        core.check_open_locked()
+        where = placement_locked(core, prep)
+        if prep.key in core.slots.key_to_slot:
+            core.existing_key_locked(prep)
             return
-        epoch = st.columns.epoch
-        st.rate_limiter.await_insert(deadline, abandoned)
+        epoch = core.columns.epoch
+        core.rate_limiter.await_insert(deadline, abandoned)
         try:
             while True:
-                st.check_open()
-                if epoch != st.columns.epoch:
-                    epoch = st.columns.epoch
-                    where = placement(st, prep)
-                if prep.key in st.slots.key_to_slot:
-                    st.existing_key(prep)
-                    st.rate_limiter.insert_abandoned()
+                core.check_open_locked()
+                if epoch != core.columns.epoch:
+                    epoch = core.columns.epoch
+                    where = placement_locked(core, prep)
+                if prep.key in core.slots.key_to_slot:
+                    core.existing_key_locked(prep)
+                    core.rate_limiter.insert_abandoned()
                     return
-                if st.exclusive:
-                    st.cond.wait()
+                if core.wait_for_exclusive_locked():
                     continue
-                if not st.columns.learned or where is Placement.RELEARN:
-                    if where is Placement.RELEARN and not can_relearn(st):  # items or leases came
-                        where = placement(st, prep)
+                if not core.columns.learned or where is Placement.RELEARN:
+                    if where is Placement.RELEARN and not can_relearn_locked(core):  # items or leases came
+                        where = placement_locked(core, prep)
                         continue
-                    learn_layout(st, prep)
+                    learn_layout_locked(core, prep)
                     continue
                 if where is Placement.COLUMNS:
-                    grown = st.columns.grown_lengths(prep.lengths)
+                    grown = core.columns.grown_lengths(prep.lengths)
                     if grown is not None:
-                        regrow(st, st.capacity, grown)
+                        regrow_locked(core, core.capacity, grown)
                         continue
-                if not st.slots.free:
-                    regrow(st, next_capacity(st), None)
+                if not core.slots.free:
+                    regrow_locked(core, next_capacity_locked(core), None)
                     continue
                 break
             if where is Placement.COLUMNS:
-                st.columns.reserve(st.slots.free[-1])  # its memory, before anyone writes there
-            slot = st.slots.take()
-            st.copies_in_flight += 1
-            views = st.columns.views
+                core.columns.reserve(core.slots.free[-1])  # its memory, before anyone writes there
+            slot = core.slots.take()
+            core.copy_started_locked()
+            views = core.columns.views
         except BaseException:
-            st.rate_limiter.insert_abandoned()
+            core.rate_limiter.insert_abandoned()
             raise
     committed = False
     try:
@@ -77,43 +83,45 @@ def insert(st: TableCore, item: ItemToInsert, timeout: float | None = None, aban
             side = SideItem.of(prep)
         else:
             write_item(views, slot, prep.pieces)
-        with st.lock:
-            st.copy_done()
+        with core.lock:
+            core.copy_done_locked()
             committed = True
-            publish(st, slot, prep, side)
+            publish_locked(core, slot, prep, side)
     except BaseException:
-        with st.lock:
+        with core.lock:
             if not committed:
-                st.copy_done()
-                st.slots.give_back(slot)
-                st.rate_limiter.insert_abandoned()
+                core.copy_done_locked()
+                core.slots.give_back(slot)
+                core.rate_limiter.insert_abandoned()
         raise
 
 
-def publish(st: TableCore, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
-    """Publish a copied item (lock held); insert-when-full then removes one through the remover."""
+def publish_locked(core: TableCore, slot: int, prep: PreparedItem, side: SideItem | None) -> None:
+    """Publish a copied item into ``slot``; insert-when-full then removes one through the remover.
+
+    The caller holds the lock.
+    """
     t0 = time.perf_counter()
-    if st.closed:
-        st.slots.give_back(slot)
-        st.rate_limiter.insert_abandoned()
-        raise TableClosedError(f"table '{st.name}' closed during the insert")
-    if prep.key in st.slots.key_to_slot:  # another insert of this key won the race
-        st.slots.give_back(slot)
-        st.existing_key(prep)
-        st.rate_limiter.insert_abandoned()
+    if core.closed:
+        core.slots.give_back(slot)
+        core.rate_limiter.insert_abandoned()
+        raise TableClosedError(f"table '{core.name}' closed during the insert")
+    if prep.key in core.slots.key_to_slot:  # another insert of this key won the race
+        core.slots.give_back(slot)
+        core.existing_key_locked(prep)
+        core.rate_limiter.insert_abandoned()
         return
-    st.seq += 1
-    seq = st.seq
+    seq = core.next_seq_locked()
     if side is None:
-        st.side.drop(slot)
-        st.slots.occupy(slot, prep, seq, prep.lengths)
+        core.side.drop(slot)
+        core.slots.occupy(slot, prep, seq, prep.lengths)
     else:
-        st.slots.occupy(slot, prep, seq, 0)  # its lengths are the side item's
-        st.side.put(slot, side)
-    st.sampler.insert(slot, prep.priority, seq)
-    st.remover.insert(slot, prep.priority, seq)
-    if len(st.slots) > st.max_size:
-        victim = st.remover.pick_one(st.rng)
-        st.delete_slot(victim)
-    st.rate_limiter.insert_committed()
-    st.worker_time_s += time.perf_counter() - t0
+        core.slots.occupy(slot, prep, seq, 0)  # its lengths are the side item's
+        core.side.put(slot, side)
+    core.sampler.insert(slot, prep.priority, seq)
+    core.remover.insert(slot, prep.priority, seq)
+    if len(core.slots) > core.max_size:
+        victim = core.remover.pick_one(core.rng)
+        core.delete_slot_locked(victim)
+    core.rate_limiter.insert_committed()
+    core.add_worker_time_locked(t0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -147,6 +148,15 @@ class ColumnSpec:
     @property
     def key(self) -> tuple[np.dtype, tuple[int, ...], bool]:
         return (self.dtype, self.step_shape, self.squeeze)
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as checkpoint scalars (docs/CHECKPOINT_FORMAT.md: ``columns``, ``side_items``)."""
+        return {"name": self.name, "dtype": self.dtype.str, "shape": list(self.step_shape), "squeeze": self.squeeze}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> ColumnSpec:
+        """The inverse of ``to_json`` (extra keys, such as a column's ``max_length``, are ignored)."""
+        return cls(value["name"], np.dtype(value["dtype"]), tuple(value["shape"]), bool(value["squeeze"]))
 
 
 @dataclass

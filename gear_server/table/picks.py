@@ -82,7 +82,8 @@ def _repeat_groups(slots: np.ndarray, repeats: np.ndarray
 
 def count_picks(meta: ItemMetadata, slots: np.ndarray, probs: np.ndarray, max_times_sampled: int,
                 table_size: int, repeats: np.ndarray | None = None) -> Picks:
-    """Count ``slots`` (picked in this order) as samples and leases in ``meta`` (table lock held).
+    """Count ``slots`` (picked in this order) as samples and leases in ``meta`` (the table calls it under
+    its lock, as it does every part).
 
     ``repeats``: the positions of picks of a slot picked more than once, as ``find_repeats`` gives
     them, when the sampler knows them (found here when None).

@@ -38,9 +38,19 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
+
+
+class LimiterCounts(NamedTuple):
+    """A rate limiter's counters (``RateLimiter.counts``)."""
+
+    inserts: int
+    samples: int
+    deletes: int
+    pending_inserts: int  # admitted by the limiter, not yet committed or abandoned
 
 
 class WouldBlock(RateLimiterTimeout):
@@ -379,6 +389,10 @@ class RateLimiter:
             min_size_to_sample=self.min_size_to_sample, insert_stats=self.insert_stats.to_proto(self.inserts),
             sample_stats=self.sample_stats.to_proto(self.samples), num_deletes=self.deletes,
         )
+
+    def counts(self) -> LimiterCounts:
+        """The counters it decides with, and the inserts admitted but not yet committed."""
+        return LimiterCounts(self.inserts, self.samples, self.deletes, self.pending_inserts)
 
     def state(self) -> dict[str, int]:
         return {"inserts": self.inserts, "samples": self.samples, "deletes": self.deletes}

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from gear_contract.layout import TableLayout
 from gear_contract.priorities import check_priority
 from gear_server.table.core import Abandoned, TableCore
-from gear_server.table.fitting import next_capacity, regrow
-from gear_server.table.insert import publish
+from gear_server.table.fitting import next_capacity_locked, regrow_locked
+from gear_server.table.insert import publish_locked
 from gear_server.table.items import PreparedItem, ReservedItem, check_key
 from gear_server.table.rate_limiter import deadline_after
 
@@ -38,74 +38,73 @@ class LayoutMoved(Exception):
         self.layout = layout
 
 
-def reserve(st: TableCore, count: int) -> tuple[list[int], TableLayout | None]:
+def reserve(core: TableCore, count: int) -> tuple[list[int], TableLayout | None]:
     """Up to ``count`` free slots for a writer (growing capacity if needed), and the layout they address;
     no slots and None while the table has no layout yet (its first item goes over InsertStream)."""
     if count < 1:
         raise ValueError(f"count of slots to reserve must be >= 1, got {count}")
-    with st.lock:
-        st.check_open()
-        while st.exclusive:
-            st.cond.wait()
-            st.check_open()
-        if not st.columns.learned:
+    with core.lock:
+        core.check_open_locked()
+        while core.wait_for_exclusive_locked():
+            core.check_open_locked()
+        if not core.columns.learned:
             return [], None
         slots = []
         for _ in range(count):
-            if not st.slots.free:
-                regrow(st, next_capacity(st), None)
-            st.columns.reserve(st.slots.free[-1])  # its memory, before the writer copies there
-            slots.append(st.slots.reserve())
-        return slots, st.columns.layout
+            if not core.slots.free:
+                regrow_locked(core, next_capacity_locked(core), None)
+            core.columns.reserve(core.slots.free[-1])  # its memory, before the writer copies there
+            slots.append(core.slots.reserve())
+        return slots, core.columns.layout
 
 
-def unreserve(st: TableCore, slots: Iterable[int]) -> None:
+def unreserve(core: TableCore, slots: Iterable[int]) -> None:
     """Give back reserved slots that will not be committed (unknown ones are ignored)."""
-    with st.lock:
+    with core.lock:
         for slot in slots:
-            if st.slots.unreserve(int(slot)) and not st.closed:
-                st.slots.give_back(int(slot))
+            if core.slots.unreserve(int(slot)) and not core.closed:
+                core.slots.give_back(int(slot))
 
 
-def commit(st: TableCore, layout_version: int, item: ReservedItem, timeout: float | None = None,
+def commit(core: TableCore, layout_version: int, item: ReservedItem, timeout: float | None = None,
            abandoned: Abandoned = None) -> None:
     """Insert an item whose rows a writer wrote into a reserved slot, as an insert would (see module doc)."""
     deadline = deadline_after(timeout)
     prep = PreparedItem(check_key(item.key), check_priority(item.priority, f"priority of item {item.key}"),
                         [], list(item.lengths), [], tuple(sorted(set(item.episode_ids))), None)
-    with st.lock:
-        st.check_open()
-        if item.slot not in st.slots.reserved:
-            raise ValueError(f"slot {item.slot} of table '{st.name}' is not reserved")
-        if st.columns.layout.version != layout_version:
-            raise LayoutMoved(st.columns.layout)
-        check_lengths(st, item)
-        if prep.key in st.slots.key_to_slot:
-            st.existing_key(prep)
-            st.slots.unreserve(item.slot)
-            st.slots.give_back(item.slot)
+    with core.lock:
+        core.check_open_locked()
+        if item.slot not in core.slots.reserved:
+            raise ValueError(f"slot {item.slot} of table '{core.name}' is not reserved")
+        if core.columns.layout.version != layout_version:
+            raise LayoutMoved(core.columns.layout)
+        check_lengths_locked(core, item)
+        if prep.key in core.slots.key_to_slot:
+            core.existing_key_locked(prep)
+            core.slots.unreserve(item.slot)
+            core.slots.give_back(item.slot)
             return
-        st.rate_limiter.await_insert(deadline, abandoned)
+        core.rate_limiter.await_insert(deadline, abandoned)
         admitted = False
         try:
-            while st.exclusive:
-                st.cond.wait()
-            st.check_open()
-            if st.columns.layout.version != layout_version:
-                raise LayoutMoved(st.columns.layout)
-            if item.slot not in st.slots.reserved:  # given back while the rate limiter held it
-                raise ValueError(f"slot {item.slot} of table '{st.name}' is no longer reserved")
-            st.slots.unreserve(item.slot)
+            while core.wait_for_exclusive_locked():
+                pass
+            core.check_open_locked()
+            if core.columns.layout.version != layout_version:
+                raise LayoutMoved(core.columns.layout)
+            if item.slot not in core.slots.reserved:  # given back while the rate limiter held it
+                raise ValueError(f"slot {item.slot} of table '{core.name}' is no longer reserved")
+            core.slots.unreserve(item.slot)
             admitted = True
         finally:
             if not admitted:
-                st.rate_limiter.insert_abandoned()
-        publish(st, item.slot, prep, None)
+                core.rate_limiter.insert_abandoned()
+        publish_locked(core, item.slot, prep, None)
 
 
-def check_lengths(st: TableCore, item: ReservedItem) -> None:
-    """ValueError unless a reserved item's lengths fit its slot and the signature (lock held)."""
-    columns = st.columns.layout.columns
+def check_lengths_locked(core: TableCore, item: ReservedItem) -> None:
+    """ValueError unless a reserved item's lengths fit its slot and the signature. The caller holds the lock."""
+    columns = core.columns.layout.columns
     if len(item.lengths) != len(columns):
         raise ValueError(f"item {item.key}: {len(item.lengths)} column lengths for a table of {len(columns)} columns")
     for c, (length, col) in enumerate(zip(item.lengths, columns, strict=True)):
@@ -113,7 +112,7 @@ def check_lengths(st: TableCore, item: ReservedItem) -> None:
         if not low <= length <= high:
             raise ValueError(f"item {item.key}: column '{col.name}' (#{c}) has length {length}, outside "
                              f"[{low}, {high}] of the slot")
-        fixed = st.signature.fixed_length(c, len(col.shape)) if st.signature is not None and not col.squeeze else -1
+        fixed = core.signature.fixed_length(c, len(col.shape)) if core.signature is not None and not col.squeeze else -1
         if fixed >= 0 and length != fixed:
             raise ValueError(f"item {item.key}: column '{col.name}' (#{c}) has {length} steps but the "
                              f"signature says {fixed}")

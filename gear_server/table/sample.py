@@ -42,7 +42,7 @@ class Selection:
         return len(self.slots)
 
 
-def sample(st: TableCore, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
+def sample(core: TableCore, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
            by_reference: bool = False) -> Selection:
     """Pick ``num_samples`` items, each as if sampled alone, and lease their slots (``Table.sample``)."""
     n = int(num_samples)
@@ -51,15 +51,15 @@ def sample(st: TableCore, num_samples: int, timeout: float | None = None, abando
     deadline = deadline_after(timeout)
     batches: list[Picks] = []
     taken = 0
-    rl = st.rate_limiter
+    rl = core.rate_limiter
 
     def has_items() -> bool:
-        return bool(st.slots.key_to_slot)
+        return bool(core.slots.key_to_slot)
 
-    with st.lock:
-        st.check_open()
+    with core.lock:
+        core.check_open_locked()
         while taken < n:
-            k = rl.samples_allowed_now(n - taken) if st.slots.key_to_slot else 0
+            k = rl.samples_allowed_now(n - taken) if core.slots.key_to_slot else 0
             if k == 0:
                 try:
                     rl.await_sample(deadline, ready=has_items, abandoned=abandoned)
@@ -69,21 +69,21 @@ def sample(st: TableCore, num_samples: int, timeout: float | None = None, abando
                     raise
                 except (TableClosedError, CallCancelled):
                     for picks in batches:
-                        st.unlease(picks.held)
+                        core.unlease_locked(picks.held)
                     raise
                 k = 1
-            if by_reference and st.side:
+            if by_reference and core.side:
                 if taken:
                     break
-                raise NeedsInlinePlane(f"table '{st.name}' holds items of {_layouts_held(st)} layouts "
+                raise NeedsInlinePlane(f"table '{core.name}' holds items of {_layouts_held_locked(core)} layouts "
                                        "(structures, dtypes or step shapes); they are read inline")
             t0 = time.perf_counter()
-            picks = _pick(st, k)
+            picks = _pick_locked(core, k)
             batches.append(picks)
             got = len(picks.slots)
             taken += got
             rl.sampled(got)
-            st.worker_time_s += time.perf_counter() - t0
+            core.add_worker_time_locked(t0)
         if len(batches) == 1:
             slots, keys, probs, sizes, priorities, times, generations = batches[0].chunk
             held = batches[0].held
@@ -91,54 +91,58 @@ def sample(st: TableCore, num_samples: int, timeout: float | None = None, abando
             slots, keys, probs, sizes, priorities, times, generations = (
                 np.concatenate(parts) for parts in zip(*(p.chunk for p in batches), strict=True))
             held = held_of(slots)
-        lease_id = st.slots.lease(held)
+        lease_id = core.slots.lease(held)
         return Selection(
-            slots=slots, generations=generations, lengths=st.meta.length.take(slots, axis=0), keys=keys,
+            slots=slots, generations=generations, lengths=core.meta.length.take(slots, axis=0), keys=keys,
             probabilities=probs, table_sizes=sizes, priorities=priorities, times_sampled=times,
-            lease_id=lease_id, layout_version=st.columns.version,
+            lease_id=lease_id, layout_version=core.columns.version,
         )
 
 
-def _layouts_held(st: TableCore) -> int:
-    return len({item.layout_key for item in st.side.items.values()}) + (len(st.side) < len(st.slots))
+def _layouts_held_locked(core: TableCore) -> int:
+    """How many layouts the table's items have. The caller holds the lock."""
+    return core.side.layouts() + (len(core.side) < len(core.slots))
 
 
-def _pick(st: TableCore, k: int) -> Picks:
-    """Up to k picks that see the same table (lock held); stops after a pick that deletes its item."""
-    slots, probs, repeats = st.sampler.sample_with_repeats(k, st.rng)
-    picks = count_picks(st.meta, slots, probs, st.max_times_sampled, len(st.slots), repeats)
-    st.num_unique_samples += picks.first_samples
+def _pick_locked(core: TableCore, k: int) -> Picks:
+    """Up to k picks that see the same table; stops after a pick that deletes its item.
+
+    The caller holds the lock.
+    """
+    slots, probs, repeats = core.sampler.sample_with_repeats(k, core.rng)
+    picks = count_picks(core.meta, slots, probs, core.max_times_sampled, len(core.slots), repeats)
+    core.count_unique_samples_locked(picks.first_samples)
     if picks.deletes_last:
-        st.delete_slot(int(picks.slots[-1]))
+        core.delete_slot_locked(int(picks.slots[-1]))
     return picks
 
 
 # ---------------------------------------------------------------------- reading leased items
-def read(st: TableCore, selection: Selection) -> list[np.ndarray]:
+def read(core: TableCore, selection: Selection) -> list[np.ndarray]:
     """Copy the selected items' bytes: per column, the items' steps concatenated (``Table.read``)."""
-    views, specs, side = _leased_views(st, selection)
+    views, specs, side = _leased_views(core, selection)
     if side:
         raise ValueError("the selection holds items of other layouts than the table's columns: use item_groups")
     return gather(views, specs, selection.slots, selection.lengths)
 
 
-def slot_views(st: TableCore, selection: Selection) -> list[list[np.ndarray]]:
+def slot_views(core: TableCore, selection: Selection) -> list[list[np.ndarray]]:
     """Per column, one no-copy view per selected item of its steps (``Table.slot_views``)."""
-    views, specs, side = _leased_views(st, selection)
+    views, specs, side = _leased_views(core, selection)
     if side:
         raise ValueError("the selection holds items of other layouts than the table's columns: use item_groups")
     return column_slot_views(views, specs, selection.slots, selection.lengths)
 
 
-def item_groups(st: TableCore, selection: Selection) -> list[ItemGroup]:
+def item_groups(core: TableCore, selection: Selection) -> list[ItemGroup]:
     """The selected items in runs that share one layout, in selection order (``Table.item_groups``)."""
-    views, specs, side = _leased_views(st, selection)
-    with st.lock:
-        structure = st.columns.layout.structure
+    views, specs, side = _leased_views(core, selection)
+    with core.lock:
+        structure = core.columns.layout.structure
     return group_items(selection.slots, selection.lengths, views, specs, structure, side)
 
 
-def _leased_views(st: TableCore, selection: Selection
+def _leased_views(core: TableCore, selection: Selection
                   ) -> tuple[list[np.ndarray], list[ColumnSpec], dict[int, SideItem]]:
     """The column views and specs to read ``selection`` from, once its lease is confirmed held,
     and the selected side items by slot.
@@ -146,20 +150,17 @@ def _leased_views(st: TableCore, selection: Selection
     Read outside the lock: leased slots are never rewritten, and each view holds an
     export of its mapping, so a segment replaced meanwhile (growth) stays mapped.
     """
-    with st.lock:
-        st.check_open()
-        if selection.lease_id not in st.slots.leases:
-            raise ValueError(f"lease {selection.lease_id} is not held on table '{st.name}'")
-        side = {}
-        if st.side:
-            items = st.side.items
-            side = {s: items[s] for s in selection.slots.tolist() if s in items}
-        return st.columns.views, st.columns.specs, side
+    with core.lock:
+        core.check_open_locked()
+        if selection.lease_id not in core.slots.leases:
+            raise ValueError(f"lease {selection.lease_id} is not held on table '{core.name}'")
+        side = core.side.items_among(selection.slots.tolist()) if core.side else {}
+        return core.columns.views, core.columns.specs, side
 
 
-def release(st: TableCore, lease_id: int) -> None:
+def release(core: TableCore, lease_id: int) -> None:
     """End a lease (unknown or already released ids are ignored)."""
-    with st.lock:
-        held = st.slots.leases.pop(int(lease_id), None)
+    with core.lock:
+        held = core.slots.leases.pop(int(lease_id), None)
         if held is not None:
-            st.unlease(held)
+            core.unlease_locked(held)

@@ -7,17 +7,28 @@ from key to slot, the leases readers hold, and which episodes each item
 references. A deleted item's slot is not reused while a lease holds it (a
 "zombie" until its last lease ends). Slots reserved by insert-plane writers
 (filled in shared memory, then committed) are neither free nor valid until
-their commit. The caller (the table) holds its lock.
+their commit. A book is not thread-safe: its table calls it under the table's lock.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gear_server.table.items import PreparedItem
+
+
+class SlotCounts(NamedTuple):
+    """How a table's slots are used (``SlotBook.counts``): each slot is in one of these, but for the slots
+    inserts are copying into (taken, not yet holding their item)."""
+
+    free: int  # a new item may take it
+    items: int  # holds an item
+    leased_deleted: int  # its item was deleted while a lease held it: free once the last lease ends
+    reserved: int  # taken by an insert-plane writer, not committed yet
 
 
 class Held(NamedTuple):
@@ -94,7 +105,7 @@ class ItemMetadata:
 
 
 class SlotBook:
-    """Slots, keys, leases and episode references of one table (lock held by the caller)."""
+    """Slots, keys, leases and episode references of one table (not thread-safe: see the module docstring)."""
 
     def __init__(self, capacity: int, num_columns: int):
         self.meta = ItemMetadata(capacity, num_columns)
@@ -219,6 +230,69 @@ class SlotBook:
     def free_stack(self) -> list[int]:
         """Every slot a new item may take, bottom of the stack first (leased deleted slots below the rest)."""
         return sorted(self.zombies) + self.free
+
+    def counts(self) -> SlotCounts:
+        """How many slots are free, hold an item, are leased after a delete, or are reserved."""
+        return SlotCounts(len(self.free), len(self.key_to_slot), len(self.zombies), len(self.reserved))
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The items, oldest insert first, as checkpoint arrays and scalars (docs/CHECKPOINT_FORMAT.md).
+
+        Arrays: keys, priorities, insert_seq, update_seq, times_sampled, lengths [n, C], slots (where
+        each item lives), free_slots (the free-slot stack; leased slots of deleted items are free once
+        restored, as no lease survives), episode_counts and episode_ids (per item). Scalars:
+        num_items, capacity, num_deleted_episodes.
+        """
+        m = self.meta
+        occupied = self.occupied_in_insert_order()
+        episodes = [self.slot_episodes[s] for s in occupied.tolist()]
+        arrays = {
+            "keys": m.key[occupied], "priorities": m.priority[occupied], "insert_seq": m.insert_seq[occupied],
+            "update_seq": m.update_seq[occupied], "times_sampled": m.times_sampled[occupied],
+            "lengths": m.length[occupied], "slots": occupied.astype(np.int64),
+            "free_slots": np.array(self.free_stack(), np.int64),
+            "episode_counts": np.array([len(e) for e in episodes], np.int64),
+            "episode_ids": np.array([e for ep in episodes for e in ep], np.uint64),
+        }
+        scalars = {"num_items": len(occupied), "capacity": self.capacity,
+                   "num_deleted_episodes": self.num_deleted_episodes}
+        return arrays, scalars
+
+    def restore(self, arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> None:
+        """Load what ``snapshot`` returned into this new book (its capacity holds every recorded slot;
+        slots and keys are distinct, as ``RestorePlan`` checks). Slots the snapshot does not mention
+        (a larger book) are free, below the recorded free-slot stack."""
+        if self.key_to_slot or self.leases or self.reserved:
+            raise ValueError("a slot book restores into a new book only")
+        slots = np.asarray(arrays["slots"], np.int64)
+        m = self.meta
+        m.key[slots] = arrays["keys"]
+        m.priority[slots] = arrays["priorities"]
+        m.insert_seq[slots] = arrays["insert_seq"]
+        m.update_seq[slots] = arrays["update_seq"]
+        m.times_sampled[slots] = arrays["times_sampled"]
+        m.length[slots] = arrays["lengths"]
+        m.valid[slots] = True
+        m.generation[slots] = 1
+        self.key_to_slot = dict(zip(m.key[slots].tolist(), slots.tolist(), strict=True))
+        used = np.zeros(self.capacity, np.bool_)
+        used[slots] = True
+        free = np.asarray(arrays["free_slots"], np.int64)
+        free = free[free < self.capacity]
+        free = free[~used[free]]
+        used[free] = True
+        self.free = np.flatnonzero(~used)[::-1].tolist() + free.tolist()
+        counts = np.asarray(arrays["episode_counts"], np.int64).tolist()
+        ids = np.asarray(arrays["episode_ids"], np.uint64).tolist()
+        t = 0
+        for slot, cnt in zip(slots.tolist(), counts, strict=True):
+            eps = tuple(ids[t:t + cnt])
+            t += cnt
+            self.slot_episodes[slot] = eps
+            for e in eps:
+                self.episode_refs[e] = self.episode_refs.get(e, 0) + 1
+        self.num_deleted_episodes = int(scalars["num_deleted_episodes"])
 
     # ------------------------------------------------------------------ leases
     def lease(self, held: Held) -> int:

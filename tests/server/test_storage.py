@@ -161,7 +161,7 @@ def test_table_segment_lifecycle_and_growth_unlinks_old(store):
     with open(second.segment, "rb") as f:
         raw = np.frombuffer(f.read(), np.uint8)
     obs_col = second.columns[1]
-    slot = table._slots.key_to_slot[1]
+    slot = table.slot_of(1)
     data = raw[obs_col.slot_offset(slot): obs_col.slot_offset(slot) + 2 * obs_col.step_bytes].view(np.float32)
     np.testing.assert_array_equal(data, np.arange(4, dtype=np.float32) + 1000)
     table.close()

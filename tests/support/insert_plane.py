@@ -68,5 +68,5 @@ def items_in_insert_order(table) -> list[dict[str, np.ndarray]]:
 
 def slots_accounted(table) -> bool:
     """Every slot is free, holds an item, is leased after a delete, or is reserved: none leaked."""
-    book = table._state.slots
-    return len(book.free) + int(book.meta.valid.sum()) + len(book.zombies) + len(book.reserved) == table.capacity
+    counts = table.slot_counts()
+    return counts.free + counts.items + counts.leased_deleted + counts.reserved == table.capacity

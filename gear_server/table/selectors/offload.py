@@ -39,16 +39,13 @@ class Crossover:
 
 NEVER = 1 << 62
 
-# Measured by `make bench-gpu` (crossover section: one learner step = B priority
-# updates then B draws, per path); see docs/BENCHMARKS.md. Rows by increasing
-# capacity; the last row whose capacity <= the table's applies; below the first
-# row the CPU structure always wins. On an NVIDIA H200 machine (2026-11-21) the
-# GPU won from B = 256 at 1M; on an NVIDIA H100 machine with today's CPU
-# structure (running sums per block, 2026-11-27) it wins from B = 1024 at every
-# N from 16K to 4M (at 1M, B = 256: CPU 375 us, GPU 436 us; B = 1024: 648 / 559).
-# The twin never beat the CPU structure (its O(N) scan costs more than the
-# structure's O(N / block + n * block) up to B = 65536), so without a GPU the
-# CPU structure is always taken; GEAR_SELECTION_BACKEND=twin still forces it.
+# Rows by increasing capacity; the last row whose capacity <= the table's applies;
+# below the first row the CPU structure always wins. The values come from
+# `make bench-gpu` (crossover section: one learner step = B priority updates then
+# B draws, per path); docs/BENCHMARKS.md gives the figures, machine and date.
+# The twin's O(N) scan does not beat the structure's O(N / block + n * block),
+# so without a GPU the CPU structure is taken; GEAR_SELECTION_BACKEND=twin
+# still forces it.
 CROSSOVERS: tuple[Crossover, ...] = (
     Crossover(capacity=16_384, gpu_min_batch=1024, twin_min_batch=NEVER),
 )

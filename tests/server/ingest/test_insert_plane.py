@@ -24,7 +24,6 @@ from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.negotiation import local_host_id
 from gear_contract.slot_writer import INSERT_PLANE_METHOD, SlotWriter
-from gear_server.table.fitting import regrow
 from tests.support.insert_plane import finish, items_in_insert_order, run_actor, slots_accounted, start
 from tests.support.metrics_text import parse, value
 from tests.support.paths import ROOT
@@ -86,7 +85,7 @@ def test_an_actor_process_writes_through_the_insert_plane_and_the_items_read_bac
         deadline = time.monotonic() + 5
         while d.ingest.plane.outstanding() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert d.ingest.plane.outstanding() == 0 and not table._state.slots.reserved and slots_accounted(table)
+        assert d.ingest.plane.outstanding() == 0 and table.slot_counts().reserved == 0 and slots_accounted(table)
     finally:
         d.stop()
 
@@ -103,15 +102,15 @@ def test_an_actor_killed_between_reserve_and_commit_leaves_nothing_visible_and_n
         try:
             line = actor.stdout.readline()
             assert line.startswith("RESERVED"), actor.stderr.read() if actor.poll() is not None else line
-            assert d.ingest.plane.outstanding() == 8 and len(table._state.slots.reserved) == 8
+            assert d.ingest.plane.outstanding() == 8 and table.slot_counts().reserved == 8
             assert table.size() == 4  # reserved slots are invisible
         finally:
             actor.send_signal(signal.SIGKILL)
             actor.wait(10)
         deadline = time.monotonic() + 10
-        while (d.ingest.plane.outstanding() or table._state.slots.reserved) and time.monotonic() < deadline:
+        while (d.ingest.plane.outstanding() or table.slot_counts().reserved) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert d.ingest.plane.outstanding() == 0 and not table._state.slots.reserved
+        assert d.ingest.plane.outstanding() == 0 and table.slot_counts().reserved == 0
         assert table.size() == 4 and slots_accounted(table)
         assert all(item_ok(i["action"], i["obs"], i["reward"]) for i in items_in_insert_order(table))
         for seed in range(5, 5 + 60):  # the slots are usable: the table fills and evicts without growing
@@ -137,7 +136,7 @@ def test_reservations_of_a_live_but_stalled_writer_time_out():
             deadline = time.monotonic() + 5
             while d.ingest.plane.outstanding() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert d.ingest.plane.outstanding() == 0 and not d.tables["t"]._state.slots.reserved
+            assert d.ingest.plane.outstanding() == 0 and d.tables["t"].slot_counts().reserved == 0
             # the writer never uses a reservation past half the timeout: it asks for new ones
             item = make_item(7, 4, 4)
             writer.write("t", 7, 1.0, [[item["action"]], [item["obs"]], [item["reward"]]], [4, 4, 4])
@@ -189,8 +188,7 @@ def test_a_table_that_grows_while_rows_wait_for_their_commit_gets_them_in_the_ne
             writer.write("t", 3, 1.0, [[item["action"]], [item["obs"]], [item["reward"]]], [4, 4, 4])
             time.sleep(0.2)  # the commit now waits on the rate limiter
             version = table.layout().version
-            with table._state.lock:
-                regrow(table._state, table.capacity + 16, None)
+            table.grow(table.capacity + 16)
             assert table.layout().version == version + 1
             table.release(table.sample(1).lease_id)  # lets the insert in
             assert writer.wait(0, deadline=time.monotonic() + 10) and writer.error is None

@@ -87,7 +87,7 @@ def keys_of(stub: pb_grpc.ReplayServiceStub, *requests: pb.InsertStreamRequest, 
 
 
 def priority_of(table, key: int) -> float:
-    return float(table.meta.priority[table._slots.key_to_slot[key]])
+    return float(table.meta.priority[table.slot_of(key)])
 
 
 def threads_of(pid: int) -> int:
@@ -224,7 +224,7 @@ def test_a_writer_that_leaves_while_the_rate_limiter_holds_its_items_leaves_noth
     client = reverb.Client(d.address())
     next(client.sample("r", 1, emit_timesteps=False))  # room for one insert: not the abandoned one
     assert keys_of(stub, item_request(200, 200, table="r")) == [200]
-    assert sorted(table._slots.key_to_slot) == [1, 2, 200]
+    assert sorted(table.keys()) == [1, 2, 200]
     assert slots_accounted(table)
 
 
@@ -295,7 +295,7 @@ def test_undecodable_bytes_end_the_stream_invalid_argument_and_the_worker_goes_o
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request 1" in info.value.details() and "not a valid request message" in info.value.details()
     assert [k for r in raw(iter([item_request(2, 2).SerializeToString()]), timeout=PROMPT_S) for k in r.keys] == [2]
-    assert sorted(d.tables["t"]._slots.key_to_slot) == [1, 2]  # the first request's item, acknowledged or not
+    assert sorted(d.tables["t"].keys()) == [1, 2]  # the first request's item, acknowledged or not
     channel.close()
 
 

@@ -324,7 +324,7 @@ def test_a_table_held_by_a_long_operation_does_not_stall_the_other_calls(make_da
     channel = grpc.insecure_channel(d.address)
     stub = pb_grpc.ReplayServiceStub(channel)
     list(stub.InsertStream(iter([chunk_request(1, np.ones((1, 3), np.float32), "other")]), timeout=PROMPT_S))
-    lock = d.daemon.tables["busy"]._state.lock  # what a snapshot or a regrowth holds
+    lock = d.daemon.tables["busy"].lock  # what a snapshot or a regrowth holds
     held = threading.Event()
 
     def hold() -> None:

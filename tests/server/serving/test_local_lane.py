@@ -167,7 +167,7 @@ def _fill(client: gear_client.Client, n: int = 40) -> list[int]:
 
 def _priorities(daemon: Daemon) -> dict[int, float]:
     table = daemon.tables["prio"]
-    meta = table._state.meta
+    meta = table.meta
     valid = np.flatnonzero(meta.valid)
     return dict(zip(meta.key[valid].tolist(), meta.priority[valid].tolist(), strict=True))
 

@@ -109,7 +109,7 @@ def test_selection_leases_and_deletion_are_the_tables_whatever_the_layout(store)
     # full table: insert-then-remove, whatever the kinds (Reverb's max_size)
     for k in range(10, 16):
         table.insert(leaf(k, KINDS[k % 3]))
-    assert sorted(table._slots.key_to_slot) == [13, 14, 15]
+    assert sorted(table.keys()) == [13, 14, 15]
     table.close()
 
 

@@ -131,7 +131,7 @@ def test_item_breaking_the_layout_is_kept_beside_it_while_items_are_held(store, 
                       "column 'rew' .*not in the table's structure"),
     }[change]
     table.insert(bad[0])
-    assert table.layout().version == version and sorted(table._slots.key_to_slot) == [1, 2]
+    assert table.layout().version == version and sorted(table.keys()) == [1, 2]
     sel = table.sample(2)
     groups = {int(sel.keys[g.start]): g for g in table.item_groups(sel)}
     a, o = groups[1].parts

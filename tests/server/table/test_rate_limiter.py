@@ -70,8 +70,8 @@ def test_worked_example_from_reverb_docs(store):
     table = make_table(store, rate_limiter=rl_opts)
     table.insert(item(1))
     table.insert(item(2))
-    rl = table._rate_limiter
-    assert rl.inserts * rl.samples_per_insert - rl.samples == 3.0
+    counts = table.rate_limiter_counts()
+    assert counts.inserts * rl_opts.samples_per_insert - counts.samples == 3.0
     assert not table.can_insert(1)
     assert table.can_sample(1)
     with pytest.raises(RateLimiterTimeout):
@@ -149,7 +149,7 @@ def test_sample_batch_blocks_between_items_per_sample_limit(store):
     table.insert(item(4))
     t.join(5)
     assert len(got["sel"]) == 4
-    assert table._rate_limiter.samples == 4
+    assert table.rate_limiter_counts().samples == 4
     table.close()
 
 
@@ -171,8 +171,8 @@ def test_priority_updates_are_not_inserts(store):
     table.insert(item(1))
     table.insert(item(1, priority=5.0))  # existing key: update
     table.mutate_priorities({1: 3.0})
-    rl = table._rate_limiter
-    assert (rl.inserts, rl.deletes) == (1, 0)
+    counts = table.rate_limiter_counts()
+    assert (counts.inserts, counts.deletes) == (1, 0)
     assert table.info().rate_limiter_info.insert_stats.completed == 1
     table.close()
 
@@ -205,8 +205,8 @@ def test_reset_zeroes_counters_and_unblocks(store):
     table.reset()
     assert done.wait(5)
     t.join(5)
-    limiter_state = table._rate_limiter.state()
-    assert limiter_state == {"inserts": 1, "samples": 0, "deletes": 0}
+    counts = table.rate_limiter_counts()
+    assert (counts.inserts, counts.samples, counts.deletes) == (1, 0, 0)
     assert len(table) == 1
     table.close()
 

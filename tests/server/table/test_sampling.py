@@ -208,7 +208,7 @@ def test_table_prioritized_max_times_sampled_cuts_batches_at_the_deleting_pick(s
         counts[key] = counts.get(key, 0) + 1
         assert t == counts[key] <= 3
     gone = {k for k, c in counts.items() if c == 3}
-    assert gone and all(k not in table._slots.key_to_slot for k in gone)
+    assert gone and all(k not in table.keys() for k in gone)
     assert len(table) == 40 - len(gone)
     table.release(sel.lease_id)
     assert not table.meta.leases.any()

@@ -140,9 +140,9 @@ def test_remover_can_delete_the_new_item(store):
     for k, p in enumerate([5.0, 6.0, 7.0]):
         table.insert(item(k, priority=p))
     table.insert(item(3, priority=1.0))  # lowest priority: the min-heap remover deletes it at once
-    assert sorted(table._slots.key_to_slot) == [0, 1, 2]
+    assert sorted(table.keys()) == [0, 1, 2]
     assert table.info().rate_limiter_info.num_deletes == 1
-    assert table._rate_limiter.inserts == 4
+    assert table.rate_limiter_counts().inserts == 4
     table.close()
 
 
@@ -167,7 +167,7 @@ def test_max_times_sampled_deletes_when_reached(store):
     assert sel.times_sampled.tolist() == [1, 2, 3, 1]
     # table_size is the size before any deletion this sample causes
     assert sel.table_sizes.tolist() == [2, 2, 2, 1]
-    assert list(table._slots.key_to_slot) == [2]
+    assert table.keys() == [2]
     table.release(sel.lease_id)
     table.close()
 
@@ -254,11 +254,11 @@ def test_mutate_priorities_deletes_first_then_updates_unknown_ignored(store):
     for k in range(4):
         table.insert(item(k))
     table.mutate_priorities({1: 5.0, 2: 9.0, 99: 3.0}, deletes=[2, 98])
-    assert sorted(table._slots.key_to_slot) == [0, 1, 3]
-    assert table.meta.priority[table._slots.key_to_slot[1]] == 5.0
+    assert sorted(table.keys()) == [0, 1, 3]
+    assert table.meta.priority[table.slot_of(1)] == 5.0
     assert table.info().rate_limiter_info.num_deletes == 1
     table.mutate_priorities([(0, 2.0), (0, 4.0)])  # pairs: the last update of a key wins
-    assert table.meta.priority[table._slots.key_to_slot[0]] == 4.0
+    assert table.meta.priority[table.slot_of(0)] == 4.0
     table.close()
 
 
@@ -283,9 +283,10 @@ def test_reset_empties_zeroes_counters_and_keys_are_new(store):
     info = table.info()
     assert info.current_size == 0 and info.num_episodes == 0 and info.num_deleted_episodes == 0
     assert info.num_unique_samples == 0 and info.rate_limiter_info.num_deletes == 0
-    assert table._rate_limiter.state() == {"inserts": 0, "samples": 0, "deletes": 0}
+    counts = table.rate_limiter_counts()
+    assert (counts.inserts, counts.samples, counts.deletes) == (0, 0, 0)
     table.insert(item(0))  # a key seen before the reset is a new item now
-    assert len(table) == 1 and table.meta.times_sampled[table._slots.key_to_slot[0]] == 0
+    assert len(table) == 1 and table.meta.times_sampled[table.slot_of(0)] == 0
     table.close()
 
 
@@ -377,7 +378,7 @@ def test_bad_item_rejected_and_table_unchanged(store, case):
     assert state_fingerprint(table) == before
     # the table keeps serving
     table.insert(item(60))
-    assert 60 in table._slots.key_to_slot
+    assert 60 in table.keys()
     table.close()
 
 
@@ -487,7 +488,7 @@ def test_capacity_grows_when_leased_slots_exhaust_the_spares(store):
         check_item_data(key, act[0], obs)
     table.release(a.lease_id)
     table.release(b.lease_id)
-    assert sorted(table._slots.key_to_slot) == [12, 13]
+    assert sorted(table.keys()) == [12, 13]
     table.close()
 
 
@@ -505,7 +506,7 @@ def test_release_is_idempotent_and_leases_counted(store):
     table.insert(item(1))
     a = table.sample(3)
     b = table.sample(2)
-    slot = table._slots.key_to_slot[1]
+    slot = table.slot_of(1)
     assert table.meta.leases[slot] == 5
     table.release(a.lease_id)
     table.release(a.lease_id)
@@ -547,7 +548,7 @@ def test_snapshot_restore_behaves_identically(store, sampler, remover):
                         sel.table_sizes.tolist(), [a.tobytes() for a in t.read(sel)]))
             t.release(sel.lease_id)
         t.mutate_priorities({100: 9.0}, deletes=[101])
-        out.append(sorted(t._slots.key_to_slot))
+        out.append(sorted(t.keys()))
         return out
 
     assert run(restored) == run(table)
@@ -615,8 +616,8 @@ def test_concurrent_inserts_and_samples_keep_data_intact(store):
         assert not t.is_alive()
     assert not errors, errors[:3]
     assert len(table) == 64
-    assert table._rate_limiter.inserts == n_writers * per_writer
-    assert table._rate_limiter.pending_inserts == 0
+    assert table.rate_limiter_counts().inserts == n_writers * per_writer
+    assert table.rate_limiter_counts().pending_inserts == 0
     assert int(table.meta.valid.sum()) == 64
     assert table.meta.leases.sum() == 0
     table.close()
@@ -636,8 +637,8 @@ def test_concurrent_duplicate_keys_insert_once(store):
         t.start()
     for t in threads:
         t.join(30)
-    assert len(table) == 50 and table._rate_limiter.inserts == 50
-    assert len(table._slots.free) == table.capacity - 50
+    assert len(table) == 50 and table.rate_limiter_counts().inserts == 50
+    assert table.slot_counts().free == table.capacity - 50
     table.close()
 
 
@@ -698,10 +699,10 @@ def test_million_item_table_sanity(store):
     table.release(sel.lease_id)
     for k in range(n, n + 1000):  # insert when full: fifo remover evicts the oldest, O(1) each
         table.insert(ItemToInsert(k, 1.0, LEAF, [np.array([k], np.int64)], [False]))
-    assert len(table) == n and 999 not in table._slots.key_to_slot and 1000 in table._slots.key_to_slot
+    assert len(table) == n and 999 not in table.keys() and 1000 in table.keys()
     upd = {int(k): 2.0 for k in rng.choice(n, 4096, replace=False) if k >= 1000}
     table.mutate_priorities(upd)
-    slot = table._slots.key_to_slot[next(iter(upd))]
+    slot = table.slot_of(next(iter(upd)))
     assert table.meta.priority[slot] == 2.0
     table.close()
 
