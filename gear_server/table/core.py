@@ -145,8 +145,7 @@ class TableCore:
         """Set the priority of the item of ``key`` (which the table holds). The caller holds the lock."""
         slot = self.slots.key_to_slot[key]
         seq = self.next_seq_locked()
-        self.meta.priority[slot] = priority
-        self.meta.update_seq[slot] = seq
+        self.slots.set_priorities(slot, priority, seq)
         self.sampler.update(slot, priority, seq)
         self.remover.update(slot, priority, seq)
 
@@ -157,8 +156,7 @@ class TableCore:
         """
         first = self.next_seq_locked(len(slots))
         seqs = np.arange(first, first + len(slots), dtype=np.int64)
-        self.meta.priority[slots] = priorities
-        self.meta.update_seq[slots] = seqs
+        self.slots.set_priorities(slots, priorities, seqs)
         self.sampler.update_many(slots, priorities, seqs)
         self.remover.update_many(slots, priorities, seqs)
 

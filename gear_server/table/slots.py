@@ -182,6 +182,12 @@ class SlotBook:
         for e in prep.episode_ids:
             self.episode_refs[e] = self.episode_refs.get(e, 0) + 1
 
+    def set_priorities(self, slots: int | np.ndarray, priorities: float | np.ndarray,
+                       seqs: int | np.ndarray) -> None:
+        """Record priority updates: ``slots`` (items) get ``priorities``, updated at sequence numbers ``seqs``."""
+        self.meta.priority[slots] = priorities
+        self.meta.update_seq[slots] = seqs
+
     def vacate(self, slot: int) -> None:
         """Remove the item in ``slot``; the slot is free once no lease holds it."""
         m = self.meta
