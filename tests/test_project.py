@@ -91,16 +91,9 @@ MAY_IMPORT = {
     "gear_client": {"gear_contract", "gear_kernels", "gear_client"},
 }
 IMPORT_EXCEPTIONS = {("gear_client/server.py", "gear_server")}
-# The generated protos are the contract's one home for message classes (docs/DESIGN.md); protoc's output keeps
-# its underscored package so that nobody edits it by hand.
+# The generated protos (tools/gen_protos.py writes them) are where every package takes its message classes from
+# (docs/DESIGN.md): the one underscored module other packages may import.
 PUBLIC_PRIVATE_MODULES = {"gear_contract._proto"}
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
 
 
 def _package_of(path: Path) -> str:
