@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from gear_client.data_planes.batch import BufferPool, SampledBatch, column_arrays, info_arrays
+from gear_client.data_planes.projection import ColumnChoice
 from gear_client.data_planes.range_planning import BatchLayout, WindowSpec, resolve_windows, window_bounds, window_steps
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
@@ -97,8 +98,11 @@ class InlinePlane:
 
     kind = "inline"
 
-    def __init__(self, stub, table: str, layout: TableLayout | None = None, *, sample_call=None, metadata=None):
+    def __init__(self, stub, table: str, layout: TableLayout | None = None, *, sample_call=None, metadata=None,
+                 columns: ColumnChoice | None = None):
         self._stub = stub
+        self.columns = columns  # the daemon sends only these columns (None: all)
+        self.bytes_received = 0  # bytes of the Sample answers (raw stream; parsed messages: their size)
         self._sample_call = sample_call  # unary_stream returning raw bytes (parsed without copies)
         self.table = table
         self.layout = layout
@@ -111,9 +115,13 @@ class InlinePlane:
             from gear_contract.wire import decode_sample_response
 
             self._call = call = self._sample_call(request, metadata=self._metadata, wait_for_ready=True)
-            return (decode_sample_response(raw) for raw in call)
+            return (decode_sample_response(self._counted(raw)) for raw in call)
         self._call = call = self._stub.Sample(request, metadata=self._metadata, wait_for_ready=True)
-        return (view_of(resp.batch) for resp in call)
+        return (view_of(self._counted(resp).batch) for resp in call)
+
+    def _counted(self, answer):
+        self.bytes_received += len(answer) if isinstance(answer, (bytes, bytearray, memoryview)) else answer.ByteSize()
+        return answer
 
     def cancel(self) -> None:
         """End a Sample call waiting in another thread."""
@@ -124,17 +132,27 @@ class InlinePlane:
     def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
         request = pb.SampleRequest(table=self.table, num_samples=int(num_samples),
                                    timeout_ms=int(timeout * 1000) if timeout else 0)
+        wanted = None
+        if self.columns is not None:
+            if self.layout is None:
+                raise ValueError(f"columns= needs table '{self.table}' to have a layout (a first item, or a signature)")
+            wanted = self.columns.indices(self.layout)
+            request.columns.extend(wanted)
         try:
             infos, parts, lengths, first = decode_batches(self._views(request))
         finally:
             self._call = None
         layout = self.layout
+        if wanted is not None:  # the batch's columns are the wanted ones
+            layout = self.columns.narrow(layout, np.zeros((0, len(layout.columns)), np.int64))[0]
         longest = lengths.max(axis=0).tolist()
         if layout is not None and len(layout.columns) == len(parts) and any(
                 n > col.max_length for n, col in zip(longest, layout.columns, strict=True)):
             # the table grew since the session opened: widen the batches for good, never cut an item short
             longest = [max(n, col.max_length) for n, col in zip(longest, layout.columns, strict=True)]
-            layout = self.layout = layout_from_batch(self.table, first, longest)
+            layout = layout_from_batch(self.table, first, longest)
+            if wanted is None:
+                self.layout = layout
         if layout is None or len(layout.columns) != len(parts):
             layout = layout_from_batch(self.table, first, longest)
         n = lengths.shape[0]

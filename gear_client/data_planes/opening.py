@@ -18,6 +18,7 @@ import grpc
 from gear_client import errors
 from gear_client.connection.channel import DaemonChannel
 from gear_client.data_planes.plane import ReadingPlane, SamplingPlane
+from gear_client.data_planes.projection import ColumnChoice
 from gear_client.data_planes.session import PlaneSession
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
@@ -52,6 +53,8 @@ class PlaneOpener:
     sample_call: Any = None
     # () -> a connected-to-be RDMA transport or None; None: the verbs device found by probing
     rdma_connection: Callable[[], Any] | None = None
+    group: pb.SelectionGroup | None = None  # a rank of a selection group (groups need shm or rdma)
+    columns: ColumnChoice | None = None  # read only these columns
 
     def _allowed(self, excluded: set[str]) -> list[str]:
         allowed = [p for p in self.planes if p not in excluded]
@@ -87,8 +90,11 @@ class PlaneOpener:
             try:
                 if self.daemon is not None:
                     self.daemon.wait_ready("sample")
-                response = self.stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=self.table, offer=offer),
-                                                   metadata=self.metadata, wait_for_ready=self.daemon is None)
+                request = pb.OpenDataPlaneRequest(table=self.table, offer=offer)
+                if self.group is not None:
+                    request.group.CopyFrom(self.group)
+                response = self.stub.OpenDataPlane(request, metadata=self.metadata,
+                                                   wait_for_ready=self.daemon is None)
             except (grpc.RpcError, errors.ReverbError) as exc:
                 if conn is not None:
                     conn.close()
@@ -104,7 +110,7 @@ class PlaneOpener:
                 from gear_client.data_planes.inline import InlinePlane
 
                 inline = InlinePlane(self.stub, self.table, layout, sample_call=self.sample_call,
-                                     metadata=self.metadata)
+                                     metadata=self.metadata, columns=self.columns)
                 return OpenedPlane(None, inline, None, layout)
             session = PlaneSession(self.stub, self.table, response, metadata=self.metadata, daemon=self.daemon)
             try:  # an empty table has no layout yet: the first Select brings it
@@ -123,12 +129,13 @@ class PlaneOpener:
         if response.kind == negotiation.SHM:
             from gear_client.data_planes.shm import ShmPlane
 
-            return ShmPlane(session, layout, device=self.device)
+            return ShmPlane(session, layout, device=self.device, columns=self.columns)
         if response.kind == negotiation.RDMA:
             from gear_client.data_planes.rdma import RdmaPlane
 
             if conn is None or not response.HasField("rdma"):
                 raise RuntimeError("the daemon chose rdma without an endpoint")
             conn.connect(response.rdma)
-            return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn)
+            return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn,
+                             columns=self.columns)
         raise RuntimeError(f"the daemon chose an unknown plane {response.kind!r}")

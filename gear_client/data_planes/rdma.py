@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from gear_client.data_planes.batch import BufferPool, Pending, SampledBatch, column_arrays
+from gear_client.data_planes.projection import ColumnChoice, narrowed
 from gear_client.data_planes.range_planning import (
     LENGTH,
     REMOTE,
@@ -172,9 +173,11 @@ class RdmaPlane:
 
     def __init__(self, session: PlaneSession, layout: TableLayout | None, region: pb.RdmaRegion | None, connection, *,
                  chain_length: int = DEFAULT_CHAIN_LENGTH, balance_chunk: int | None = BALANCE_CHUNK,
-                 timeout_s: float = READ_TIMEOUT_S):
+                 timeout_s: float = READ_TIMEOUT_S, columns: ColumnChoice | None = None):
         self.session = session
         self.layout = layout
+        self.columns = columns  # read only these columns' windows (None: all)
+        self.bytes_read = 0  # bytes READ from the daemon's segment
         self.region = region
         self.connection = connection
         self.chain_length = max(1, min(chain_length, connection.max_send_wr))
@@ -202,11 +205,11 @@ class RdmaPlane:
         """Nothing to end: READs in flight complete or time out within fetch()."""
 
     def fetch(self, selection: ItemSelection, window: WindowSpec) -> SampledBatch:
-        layout = self.layout
+        layout, lengths = narrowed(self.columns, self.layout, selection.lengths)
         n = len(selection)
         windows = resolve_windows(layout, window)
         batch = BatchLayout.build(layout, n, window_steps(windows))
-        starts, counts, firsts = window_bounds(selection.lengths, layout, windows)
+        starts, counts, firsts = window_bounds(lengths, layout, windows)
         ranges = plan_ranges(layout, selection.slots, starts, counts, batch, firsts)
         if len(ranges) and int((ranges[:, REMOTE] + ranges[:, LENGTH]).max()) > self.region.length:
             raise RdmaReadError("a selected range lies outside the daemon's registered segment")
@@ -218,6 +221,7 @@ class RdmaPlane:
         for off, length in padding_ranges(counts, batch, firsts).tolist():
             buf[off:off + length] = 0
         self.last_plan = plan
+        self.bytes_read += int(ranges[:, LENGTH].sum()) if len(ranges) else 0
         keys, probs, sizes, prios, times = selection.infos
         return SampledBatch(keys, probs, sizes, prios, times, column_arrays(buf, layout, batch, n),
                             counts.astype(np.int32), layout.structure, tuple(c.squeeze for c in layout.columns),

@@ -42,8 +42,10 @@ from gear_client.data_planes.pipeline import (
     select_width,
 )
 from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
+from gear_client.data_planes.projection import ColumnChoice
 from gear_client.data_planes.range_planning import WindowSpec
-from gear_client.data_planes.session import ItemSelection, PlaneSession
+from gear_client.data_planes.ranks import selection_group
+from gear_client.data_planes.session import GroupSlice, ItemSelection, PlaneSession
 from gear_client.data_planes.shm import is_gpu_device
 from gear_client.data_planes.targets import connect
 from gear_contract import negotiation
@@ -102,15 +104,25 @@ class PlaneSampler:
 
     def __init__(self, target: Any, table: str, *, planes=None, device: Any = None, rdma_device: str | None = None,
                  num_qps: int | None = None, metadata=None, host_id: str | None = None,
-                 max_stale_retries: int = MAX_STALE_RETRIES, rdma_connection=None):
+                 max_stale_retries: int = MAX_STALE_RETRIES, rdma_connection=None, columns: Any = None,
+                 rank: int | None = None, world_size: int | None = None, seed: int | None = None,
+                 group_id: str | None = None):
+        """``columns``: only these fields move (paths like "obs/rgb", or a nest of the wanted fields;
+        gear_contract.projection). ``rank``/``world_size`` (default: torch.distributed's when it is initialised),
+        ``seed`` and ``group_id``: this sampler is rank ``rank`` of a data-parallel group that shares one
+        selection per step (gear_client.data_planes.ranks); a seed alone makes a world 1 sampler's selections
+        reproducible for a given table state."""
         self.table = table
+        self.group = selection_group(table, rank=rank, world_size=world_size, seed=seed, group_id=group_id)
+        self.step = 0  # the group's next step this rank takes a slice of
         self.metadata = metadata
         self.max_stale_retries = max_stale_retries
         self._stub, self._sample_call, self._channel, self._daemon = connect(target)
         self._opener = PlaneOpener(self._stub, table, planes=negotiation.normalise_planes(planes),
                                    host_id=host_id or negotiation.local_host_id(), device=device,
                                    rdma_device=rdma_device, num_qps=num_qps, metadata=metadata, daemon=self._daemon,
-                                   sample_call=self._sample_call, rdma_connection=rdma_connection)
+                                   sample_call=self._sample_call, rdma_connection=rdma_connection,
+                                   group=self.group, columns=ColumnChoice(columns) if columns is not None else None)
         self._excluded: set[str] = set()
         self._lock = threading.RLock()
         self._reader: ReadingPlane | None = None  # shm or rdma, with self._session
@@ -123,6 +135,7 @@ class PlaneSampler:
         self.selects = 0  # Selects answered (pipelined ones carry several batches)
         self._outgrown_in_row = 0
         self._gone_version = -1  # the newest layout version whose segment was found unlinked
+        self._group_slice: GroupSlice | None = None  # set by sample_slice for one Select
         self.closed = False
         _open_samplers.add(self)
 
@@ -258,13 +271,21 @@ class PlaneSampler:
                                        f"({retries} re-negotiations for one batch)")
             # Retry.OUTGROWN: the next Select brings the newer layout (bounded by MAX_OUTGROWN_LAYOUTS)
 
+    def _next_step(self, picks: int = 0, offset: int = 0) -> GroupSlice | None:
+        """This rank's slice of the group's next step (None: no group); lock held."""
+        if self.group is None:
+            return None
+        step, self.step = self.step, self.step + 1
+        return GroupSlice(step, picks, offset)
+
     def _sample_referenced(self, num_samples: int, window: WindowSpec, timeout: float | None) -> SampledBatch | Retry:
         """One select-read-release round on shm/rdma: a batch, or why there is none."""
         session, plane = self._session, self._reader
         assert session is not None and plane is not None
         ncols = len(self._layout.columns) if self._layout is not None else None
+        slice_ = self._group_slice if self._group_slice is not None else self._next_step()
         try:
-            selection = session.select(num_samples, ncols, timeout)
+            selection = session.select(num_samples, ncols, timeout, step=slice_)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND and not self.closed:  # session reaped: open a new one
                 self._reopen()
@@ -299,6 +320,19 @@ class PlaneSampler:
             return Retry.STALE
         return batch
 
+    def sample_slice(self, part: GroupSlice, num_samples: int, *, window: WindowSpec = None,
+                     timeout: float | None = None) -> SampledBatch:
+        """Picks [part.offset, part.offset + num_samples) of the group's step ``part.step`` of ``part.picks``
+        picks: a sharded rank's part on this shard (shm or rdma, in a group)."""
+        if self.group is None:
+            raise ValueError("sample_slice needs a sampler in a selection group (rank, world_size or seed)")
+        with self._lock:
+            self._group_slice = part
+            try:
+                return self.sample(num_samples, window=window, timeout=timeout)
+            finally:
+                self._group_slice = None
+
     def batches(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None,
                 depth: int = PIPELINE_DEPTH, prefetch: int = PIPELINE_PREFETCH,
                 batches_per_select: int | None = None) -> Iterator[SampledBatch]:
@@ -325,6 +359,8 @@ class PlaneSampler:
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if self.group is not None:
+            batches_per_select = 1  # a rank takes one step's slice per Select
         per_select = select_width(num_samples, batches_per_select, gpu=is_gpu_device(self.device),
                                   item_bytes=self.item_bytes())
         while True:
@@ -353,7 +389,7 @@ class PlaneSampler:
                         raise SamplerClosedError("this sampler is closed")
                     while len(state.selects) < prefetch:
                         state.selects.append(session.select_async(num_samples * per_select, ncols, timeout,
-                                                                  state.to_release))
+                                                                  state.to_release, self._next_step()))
                         state.to_release = []
                 pending = state.selects.popleft()
                 try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -82,6 +82,15 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
     lengths = np.asarray(flat, dtype=np.int64).reshape(n, num_columns)
     return ItemSelection(slots, generations, lengths, info_arrays(response.info), int(response.lease_id),
                          int(response.layout_version), layout, region)
+
+
+class GroupSlice(NamedTuple):
+    """A group rank's part of one step: the step, its picks (0: world_size x num_samples) and where this
+    rank's slice starts (with picks 0: rank x num_samples, the daemon's choice)."""
+
+    step: int
+    picks: int = 0
+    offset: int = 0
 
 
 class PendingSelect:
@@ -184,29 +193,34 @@ class PlaneSession:
         self.closed = False
 
     def select(self, num_samples: int, num_columns: int | None, timeout: float | None,
-               release: list[int] | None = None) -> ItemSelection:
-        """Select (packed) and lease ``num_samples`` items; ``release``: leases to end first."""
-        return self.select_and_release(num_samples, num_columns, timeout, release or [])[0]
+               release: list[int] | None = None, step: GroupSlice | None = None) -> ItemSelection:
+        """Select (packed) and lease ``num_samples`` items; ``release``: leases to end first; ``step``: a
+        group rank's slice of a step (sessions opened with a SelectionGroup)."""
+        return self.select_and_release(num_samples, num_columns, timeout, release or [], step)[0]
 
     def select_and_release(self, num_samples: int, num_columns: int | None, timeout: float | None,
-                           release: list[int]) -> tuple[ItemSelection, set[int]]:
+                           release: list[int], step: GroupSlice | None = None) -> tuple[ItemSelection, set[int]]:
         """One Select that also ends ``release`` leases; returns (selection, the stale ones of those)."""
-        response = self._call(SELECT, self._select_request(num_samples, timeout, release), pb.SelectResponse,
+        response = self._call(SELECT, self._select_request(num_samples, timeout, release, step), pb.SelectResponse,
                               self._stub.Select)
         return parse_select(response, num_columns), set(response.stale_lease_ids)
 
     def select_async(self, num_samples: int, num_columns: int | None, timeout: float | None,
-                     release: list[int]) -> PendingSelect:
+                     release: list[int], step: GroupSlice | None = None) -> PendingSelect:
         """Send a Select (which also ends ``release`` leases) without waiting for its answer."""
-        request = self._select_request(num_samples, timeout, release)
+        request = self._select_request(num_samples, timeout, release, step)
         future = self._on_lane(SELECT, request, pb.SelectResponse, self._stub.Select)
         if future is None:
             future = self._stub.Select.future(request, metadata=self._metadata)
         return PendingSelect(future, num_columns, release)
 
-    def _select_request(self, num_samples: int, timeout: float | None, release: list[int]) -> pb.SelectRequest:
-        return pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
-                                timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
+    def _select_request(self, num_samples: int, timeout: float | None, release: list[int],
+                        step: GroupSlice | None = None) -> pb.SelectRequest:
+        request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
+                                   timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
+        if step is not None:
+            request.group_step, request.group_picks, request.group_offset = step.step, step.picks, step.offset
+        return request
 
     def release(self, lease_ids: list[int]) -> set[int]:
         """End leases; returns the stale ones."""

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from gear_client.data_planes.batch import BufferPool, Pending, SampledBatch, column_arrays
+from gear_client.data_planes.projection import ColumnChoice, narrowed
 from gear_client.data_planes.range_planning import (
     LENGTH,
     LOCAL,
@@ -30,7 +31,7 @@ from gear_client.data_planes.range_planning import (
     window_bounds,
     window_steps,
 )
-from gear_contract.layout import TableLayout
+from gear_contract.layout import ColumnLayout, TableLayout
 
 # Item bytes from which one memcpy per item beats a vectorised take (measured on x86-64).
 MEMCPY_ITEM_BYTES = 16 << 10
@@ -76,12 +77,11 @@ class SegmentMapping:
     def address(self) -> int:
         return int(self.bytes.ctypes.data)
 
-    def slot_view(self, column: int, first_step: int, steps: int) -> np.ndarray:
+    def slot_view(self, col: ColumnLayout, first_step: int, steps: int) -> np.ndarray:
         """``[capacity]`` array of ``V<steps * step_bytes>`` records: the slots' bytes of one column."""
-        key = (column, first_step, steps)
+        key = (col.offset, first_step, steps)
         view = self._slot_views.get(key)
         if view is None:
-            col = self.layout.columns[column]
             view = np.ndarray((self.layout.capacity,), dtype=f"V{steps * col.step_bytes}", buffer=self.bytes,
                               offset=col.offset + first_step * col.step_bytes, strides=(col.slot_stride,))
             self._slot_views[key] = view
@@ -97,8 +97,12 @@ class SegmentMapping:
 
 
 def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 ranges: np.ndarray | None, batch: BatchLayout, out: np.ndarray) -> None:
-    """Copy a selection into ``out`` (uint8, laid out as ``batch``), zeroing only the padding.
+                 ranges: np.ndarray | None, batch: BatchLayout, out: np.ndarray,
+                 layout: TableLayout | None = None) -> int:
+    """Copy a selection into ``out`` (uint8, laid out as ``batch``), zeroing only the padding; returns the
+    bytes read from the segment.
+
+    ``layout``: the columns to read (the mapping's, or some of them: a column projection).
 
     ``bounds`` are window_bounds() (first source step, steps, first row step) and
     ``ranges`` the plan_ranges() of the selection, or None: planned here for the
@@ -108,9 +112,10 @@ def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.nd
     slice copy per range. (gear_kernels.gather_numpy gives the same bytes but
     zeroes whole rows first, a second pass over the batch.)
     """
-    layout = mapping.layout
+    layout = layout or mapping.layout
     starts, counts, firsts = bounds
     n = len(slots)
+    moved = 0
     if n and (slots.min() < 0 or slots.max() >= layout.capacity):
         raise ValueError(f"slot out of range [0, {layout.capacity})")
     done = np.zeros(len(layout.columns), dtype=bool)
@@ -123,7 +128,8 @@ def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.nd
                    and bool(np.all(firsts[:, c] == at)))
         if not uniform or record >= MEMCPY_ITEM_BYTES:
             continue
-        picked = mapping.slot_view(c, first, steps)[slots]
+        picked = mapping.slot_view(col, first, steps)[slots]
+        moved += n * record
         if dst.item_bytes == record:
             out[dst.offset:dst.offset + n * record].view(f"V{record}")[:] = picked
         else:
@@ -133,12 +139,14 @@ def gather_numpy(mapping: SegmentMapping, slots: np.ndarray, bounds: tuple[np.nd
     if ranges is None:
         rest = np.flatnonzero(~done).tolist()
         if rest:
-            copy_ranges(mapping.bytes, out, plan_ranges(layout, slots, starts, counts, batch, firsts, columns=rest))
+            moved += copy_ranges(mapping.bytes, out, plan_ranges(layout, slots, starts, counts, batch, firsts,
+                                                                 columns=rest))
     elif len(ranges):
-        copy_ranges(mapping.bytes, out, ranges[~done[_column_of(ranges, batch)]])
+        moved += copy_ranges(mapping.bytes, out, ranges[~done[_column_of(ranges, batch)]])
     if n and not np.array_equal(counts, np.broadcast_to([dst.steps for dst in batch.columns], counts.shape)):
         for off, length in padding_ranges(counts, batch, firsts).tolist():  # rows shorter than the batch's
             out[off:off + length] = 0
+    return moved
 
 
 def _column_of(ranges: np.ndarray, batch: BatchLayout) -> np.ndarray:
@@ -147,10 +155,11 @@ def _column_of(ranges: np.ndarray, batch: BatchLayout) -> np.ndarray:
     return np.searchsorted(starts, ranges[:, LOCAL], side="right") - 1
 
 
-def copy_ranges(src: np.ndarray, dst: Any, ranges: np.ndarray) -> None:
-    """One slice copy per (remote, local, length) range."""
+def copy_ranges(src: np.ndarray, dst: Any, ranges: np.ndarray) -> int:
+    """One slice copy per (remote, local, length) range; returns the bytes copied."""
     for r_off, l_off, length in ranges[:, (REMOTE, LOCAL, LENGTH)].tolist():
         dst[l_off:l_off + length] = src[r_off:r_off + length]
+    return int(ranges[:, LENGTH].sum()) if len(ranges) else 0
 
 
 def is_gpu_device(device: Any) -> bool:
@@ -175,9 +184,12 @@ class ShmPlane:
 
     kind = "shm"
 
-    def __init__(self, session, layout: TableLayout | None, *, device: Any = None):
+    def __init__(self, session, layout: TableLayout | None, *, device: Any = None,
+                 columns: ColumnChoice | None = None):
         self.session = session
         self.device = device
+        self.columns = columns  # read only these columns (None: all)
+        self.bytes_read = 0  # bytes copied out of the segment (host gathers)
         self._gpu = is_gpu_device(device)
         if self._gpu:
             import gear_kernels
@@ -216,10 +228,10 @@ class ShmPlane:
 
     def start(self, selection, window: WindowSpec) -> Pending:
         """Begin gathering a selection: a GPU kernel on the current stream, or a copy on a worker thread."""
-        layout = self.layout
+        layout, lengths = narrowed(self.columns, self.layout, selection.lengths)
         n = len(selection)
         windows = resolve_windows(layout, window)
-        bounds = window_bounds(selection.lengths, layout, windows)
+        bounds = window_bounds(lengths, layout, windows)
         keys, probs, sizes, prios, times = selection.infos
         squeeze = tuple(c.squeeze for c in layout.columns)
 
@@ -228,13 +240,13 @@ class ShmPlane:
                                 layout.structure, squeeze, plane=self.kind)
 
         if self._gpu:
-            columns, event = self._gather_gpu(selection, windows)
+            columns, event = self._gather_gpu(layout, selection.slots, lengths, windows)
             return Pending(lambda: (event.synchronize(), done(columns))[1])  # waits for this batch alone
         batch = BatchLayout.build(layout, n, window_steps(windows))
         out = self._pool.get(batch.nbytes)
 
-        def copy() -> SampledBatch:
-            gather_numpy(self.mapping, selection.slots, bounds, None, batch, out)  # plans what it copies by range
+        def copy() -> SampledBatch:  # plans what it copies by range
+            self.bytes_read += gather_numpy(self.mapping, selection.slots, bounds, None, batch, out, layout)
             return done(column_arrays(out, layout, batch, n))
 
         if self._worker is None or batch.nbytes < WORKER_MIN_BYTES:
@@ -250,7 +262,8 @@ class ShmPlane:
         if self._worker is None and not self._gpu:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="gear-shm-gather")
 
-    def _gather_gpu(self, selection, windows) -> tuple[list[Any], Any]:
+    def _gather_gpu(self, layout: TableLayout, slots: np.ndarray, lengths: np.ndarray,
+                    windows) -> tuple[list[Any], Any]:
         import gear_kernels
 
         cp = gear_kernels.backend.require_cupy()
@@ -263,12 +276,11 @@ class ShmPlane:
             queued.record(cp.cuda.get_current_stream())
             stream.wait_event(queued)  # the memory reused below may be a batch the learner's queued work reads
             with stream:  # inputs, output and kernel of this batch in its own stream's order
-                result = gear_kernels.gather(self.layout, self._registration, selection.slots,
-                                             selection.lengths.astype(np.int32), windows)
+                result = gear_kernels.gather(layout, self._registration, slots, lengths.astype(np.int32), windows)
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)  # the bytes are in when this fires
         columns = []
-        for col, arr in zip(self.layout.columns, result.columns, strict=True):
+        for col, arr in zip(layout.columns, result.columns, strict=True):
             columns.append(arr.reshape((arr.shape[0], *col.shape)) if col.squeeze else arr)
         return columns, event
 

@@ -286,16 +286,18 @@ class SampleInfo(_message.Message):
     def __init__(self, key: _Optional[int] = ..., probability: _Optional[float] = ..., table_size: _Optional[int] = ..., priority: _Optional[float] = ..., times_sampled: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("table", "num_samples", "timeout_ms", "max_items_per_message")
+    __slots__ = ("table", "num_samples", "timeout_ms", "max_items_per_message", "columns")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEMS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     table: str
     num_samples: int
     timeout_ms: int
     max_items_per_message: int
-    def __init__(self, table: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., max_items_per_message: _Optional[int] = ...) -> None: ...
+    columns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., max_items_per_message: _Optional[int] = ..., columns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleBatch(_message.Message):
     __slots__ = ("info", "columns", "lengths", "structure", "squeeze")
@@ -480,12 +482,26 @@ class RdmaRegion(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., rkey: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class OpenDataPlaneRequest(_message.Message):
-    __slots__ = ("table", "offer")
+    __slots__ = ("table", "offer", "group")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     table: str
     offer: DataPlaneOffer
-    def __init__(self, table: _Optional[str] = ..., offer: _Optional[_Union[DataPlaneOffer, _Mapping]] = ...) -> None: ...
+    group: SelectionGroup
+    def __init__(self, table: _Optional[str] = ..., offer: _Optional[_Union[DataPlaneOffer, _Mapping]] = ..., group: _Optional[_Union[SelectionGroup, _Mapping]] = ...) -> None: ...
+
+class SelectionGroup(_message.Message):
+    __slots__ = ("group_id", "world_size", "rank", "seed")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    world_size: int
+    rank: int
+    seed: int
+    def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
     __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms")
@@ -516,20 +532,26 @@ class ItemRef(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelectRequest(_message.Message):
-    __slots__ = ("session_id", "num_samples", "timeout_ms", "packed", "release_lease_ids", "num_batches")
+    __slots__ = ("session_id", "num_samples", "timeout_ms", "packed", "release_lease_ids", "num_batches", "group_step", "group_picks", "group_offset")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PICKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_OFFSET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_samples: int
     timeout_ms: int
     packed: bool
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     num_batches: int
-    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., num_batches: _Optional[int] = ...) -> None: ...
+    group_step: int
+    group_picks: int
+    group_offset: int
+    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., num_batches: _Optional[int] = ..., group_step: _Optional[int] = ..., group_picks: _Optional[int] = ..., group_offset: _Optional[int] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
     __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids", "batch_lease_ids", "batch_sizes")

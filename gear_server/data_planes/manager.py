@@ -26,6 +26,7 @@ from grpc import aio
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.wire import encode_tensor_fields
+from gear_server.data_planes.groups import GroupRegistry, StepGone, step_rng
 from gear_server.data_planes.offers import gpu_off_reason, plane_report
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
@@ -64,6 +65,7 @@ class DataPlaneManager:
                                         max_sessions=settings.max_sessions,
                                         max_sessions_per_peer=settings.max_sessions_per_peer,
                                         on_close=self._on_session_closed)
+        self.groups = GroupRegistry(ttl_s=lease_timeout_s)
         # Selects waiting on a rate limiter, by session: a closed session cancels them.
         self._selects: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Task]]] = {}
         self._selects_lock = threading.Lock()
@@ -78,6 +80,9 @@ class DataPlaneManager:
         while not self._stop.wait(interval):
             try:
                 expired, idle = self.sessions.reap()
+                dropped = self.groups.reap()
+                if dropped:
+                    log.info("data planes: %d group step(s) not taken by every rank dropped", dropped)
                 if expired or idle:
                     log.info("data planes: %d lease(s) expired, %d idle session(s) closed", expired, idle)
             except Exception:  # noqa: BLE001 - the reaper must survive anything
@@ -94,6 +99,8 @@ class DataPlaneManager:
             self.rdma.close()
 
     def _on_session_closed(self, session: Session) -> None:
+        if session.group is not None:
+            self.groups.leave(session.group, session.session_id)
         with self._selects_lock:
             waiting = self._selects.pop(session.session_id, ())
         for loop, task in waiting:
@@ -137,6 +144,10 @@ class DataPlaneManager:
 
     def _open(self, table: Table, kind: str, request: pb.OpenDataPlaneRequest, peer: str) -> pb.OpenDataPlaneResponse:
         """Open a session of ``kind`` (on the pool: RDMA resources take device calls)."""
+        grouped = request.HasField("group")
+        if grouped and (kind == negotiation.INLINE or table.holds_other_layouts()):
+            raise NeedsInlinePlane(f"a selection group on table '{table.name}' needs the shm or rdma plane "
+                                   f"(this learner was answered {kind}, or the table holds items of several layouts)")
         if kind != negotiation.INLINE and table.holds_other_layouts():  # items outside the segment's layout
             if not request.offer.inline:
                 raise NeedsInlinePlane(f"table '{table.name}' holds items of several layouts (no signature); "
@@ -169,6 +180,13 @@ class DataPlaneManager:
             if resources is not None:
                 self.rdma.close_session(resources)
             raise
+        if grouped:
+            try:
+                session.group = self.groups.join(table, request.group, session.session_id)
+                session.rank = int(request.group.rank)
+            except ValueError:
+                self.sessions.close(session.session_id)
+                raise
         response = pb.OpenDataPlaneResponse(session_id=session.session_id, kind=kind, **self._timeouts())
         if layout is not None:
             session.layout_version = layout.version
@@ -213,8 +231,17 @@ class DataPlaneManager:
         try:
             if session.closed:
                 raise asyncio.CancelledError
-            picked = await calls.sample_batches(table, n, timeout, batches, by_reference=True,
-                                                     prelude=release_first if ended else None)
+            if session.group is not None:
+                if batches > 1:
+                    raise ValueError("a rank of a selection group selects one batch per Select (num_batches 1)")
+                if ended:
+                    await calls.run(release_first)
+                picked = [await self._group_slice(session, request, n, timeout, calls)]
+            else:
+                picked = await calls.sample_batches(table, n, timeout, batches, by_reference=True,
+                                                    prelude=release_first if ended else None)
+        except StepGone as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except NeedsInlinePlane as exc:  # nothing was taken: the learner negotiates again and is answered inline
             self.sessions.close(session.session_id)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session closed: {exc}")
@@ -244,6 +271,10 @@ class DataPlaneManager:
                         table.release(table_lease)
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"data-plane session {session.session_id!r} closed")
             lease_ids.append(lease_id)
+        if not len(picked[0]):  # a group step cut short by the timeout before this rank's slice
+            self.sessions.release(session, lease_ids)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the group's step was cut short by the timeout before this rank's slice")
         joined = picked[0] if len(picked) == 1 else JoinedSelection([p for s in picked for p in s.parts])
         response = pb.SelectResponse(layout_version=int(joined.layout_version), lease_id=int(lease_ids[0]))
         if batches > 1:
@@ -260,6 +291,32 @@ class DataPlaneManager:
             return encode_select_response(response, joined)
         fill_select_tensors(response, joined)
         return response
+
+    async def _group_slice(self, session: Session, request: pb.SelectRequest, n: int, timeout: float | None,
+                           calls: TableCalls):
+        """This rank's slice of its group's step ``request.group_step`` (the first rank to ask makes the
+        step's selection, seeded by (seed, step); the others wait for it)."""
+        group = session.group
+        if request.group_picks > 0:
+            asked, offset = int(request.group_picks), int(request.group_offset)
+            if offset < 0 or offset + n > asked:
+                raise ValueError(f"slice [{offset}, {offset + n}) is outside the step's {asked} picks")
+        else:
+            asked, offset = group.world_size * n, session.rank * n
+        if asked > MAX_SELECT:
+            raise ValueError(f"a step of {asked} picks is more than {MAX_SELECT}")
+        step, makes = self.groups.begin(group, int(request.group_step), asked)
+        if makes:
+            try:
+                selection = await calls.sample(session.table, asked, timeout, by_reference=True,
+                                               rng=step_rng(group.seed, step.step))
+            except BaseException as exc:
+                self.groups.failed(group, step, exc if isinstance(exc, Exception) else StepGone("cancelled"))
+                raise
+            self.groups.made(group, step, selection)
+        else:
+            await asyncio.shield(asyncio.wrap_future(step.ready))
+        return self.groups.claim(group, step, offset, offset + n)
 
     def _send_layout(self, session: Session, table: Table, response: pb.SelectResponse,
                      context: aio.ServicerContext) -> None:

@@ -80,6 +80,8 @@ class Session:
     next_lease: int = 1
     layout_version: int = -1  # the layout this session's learner holds (-1: none yet)
     peer: str = ""  # peer_identity() of the caller that opened it
+    group: Any = None  # the SelectionGroup (groups.py) this session is a rank of, if any
+    rank: int = 0
 
     def remember_expired(self, lease_id: int) -> None:
         self.expired[lease_id] = None

@@ -132,17 +132,17 @@ class TableCalls:
             raise
 
     async def sample(self, table: Table, n: int, timeout: float | None, *,
-                     by_reference: bool = False) -> JoinedSelection:
+                     by_reference: bool = False, rng: np.random.Generator | None = None) -> JoinedSelection:
         """``table.sample(n)``: n items, each as the limiter allows, fewer only if the timeout passes after some.
 
-        RateLimiterTimeout when not one item was allowed before the timeout. ``by_reference``: for
-        readers of the segment (Table.sample's argument).
+        RateLimiterTimeout when not one item was allowed before the timeout. ``by_reference`` and
+        ``rng``: Table.sample's arguments.
         """
-        return (await self.sample_batches(table, n, timeout, 1, by_reference=by_reference))[0]
+        return (await self.sample_batches(table, n, timeout, 1, by_reference=by_reference, rng=rng))[0]
 
     async def sample_batches(self, table: Table, n: int, timeout: float | None, batches: int, *,
-                             by_reference: bool = False, prelude: Callable[[], None] | None = None
-                             ) -> list[JoinedSelection]:
+                             by_reference: bool = False, prelude: Callable[[], None] | None = None,
+                             rng: np.random.Generator | None = None) -> list[JoinedSelection]:
         """The first batch as ``sample``; then up to ``batches - 1`` more of ``n`` items each, taken
         in the same pool job as the first batch's end, only while the limiter allows them at once.
 
@@ -160,7 +160,7 @@ class TableCalls:
                 prelude, run_first = None, prelude
                 run_first()
             with ticket.attempting():
-                selection = table.sample(want, timeout=0, by_reference=by_reference)
+                selection = table.sample(want, timeout=0, by_reference=by_reference, rng=rng)
             more = []
             if len(selection) == want and not ticket.blocked_now:
                 more = _more_batches(table, n, batches - 1, by_reference)

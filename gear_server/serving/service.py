@@ -49,6 +49,7 @@ from gear_contract.lane_frames import (
     decode_priorities,
     lane_enabled,
 )
+from gear_contract.projection import check_indices, prune_structure
 from gear_contract.wire import PriorityUpdates, decode_mutate_priorities, encode_sample_response
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.errors import TableNotFoundError
@@ -178,6 +179,12 @@ class ReplayService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"max_items_per_message ({request.max_items_per_message}) must be in "
                                 f"[0, {MAX_ITEMS_PER_SAMPLE_REQUEST}] (0: the server's choice)")
+        if request.columns:  # refused before anything is picked
+            try:
+                layout = await self.calls.run(table.layout)
+                check_indices(request.columns, len(layout.columns) if layout is not None else 1 << 31)
+            except Exception as e:  # noqa: BLE001
+                await abort_for(context, e)
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
         remaining = int(request.num_samples)
         asked = int(request.max_items_per_message)
@@ -378,10 +385,11 @@ def _parse(message_type: Any, data: bytes) -> Any:
         raise ValueError(f"not a valid request message ({e})") from None
 
 
-def _encode_and_release(table: Table, selection: JoinedSelection) -> list[bytes] | BaseException:
+def _encode_and_release(table: Table, selection: JoinedSelection,
+                        columns: list[int] | None = None) -> list[bytes] | BaseException:
     """The serialized SampleResponses of a leased selection, then the lease ends; a table error is returned."""
     try:
-        return encode_selection(table, selection)
+        return encode_selection(table, selection, columns)
     except Exception as e:  # noqa: BLE001 (e.g. the table closed under the call)
         if status_of(e) is None:
             raise
@@ -391,9 +399,13 @@ def _encode_and_release(table: Table, selection: JoinedSelection) -> list[bytes]
             table.release(lease_id)
 
 
-def encode_selection(table: Table, selection: JoinedSelection) -> list[bytes]:
+def encode_selection(table: Table, selection: JoinedSelection, columns: list[int] | None = None) -> list[bytes]:
     """The serialized SampleResponses of a leased selection (read while the lease holds): one per run of
-    items that share a layout (one in the common case; tables without a signature may hold several)."""
+    items that share a layout (one in the common case; tables without a signature may hold several).
+
+    ``columns``: only those columns (SampleRequest.columns; ValueError naming one the items lack), the
+    structure pruned to them (gear_contract.projection).
+    """
     infos = [pb.SampleInfo(key=int(k), probability=float(p), table_size=int(s), priority=float(q),
                            times_sampled=int(t))
              for k, p, s, q, t in zip(selection.keys.tolist(), selection.probabilities.tolist(),
@@ -402,8 +414,10 @@ def encode_selection(table: Table, selection: JoinedSelection) -> list[bytes]:
     messages = []
     for group in table.item_groups(selection):
         lengths = np.asarray(group.lengths, dtype=np.int32).reshape(group.stop - group.start, len(group.columns))
-        columns = [(dtype, shape, group.parts[c]) for c, (dtype, shape, _) in enumerate(group.columns)]
-        squeeze = [bool(squeezed) for _, _, squeezed in group.columns]
-        messages.append(encode_sample_response(infos[group.start:group.stop], lengths, group.structure, squeeze,
-                                               columns))
+        wanted = check_indices(columns, len(group.columns)) if columns else range(len(group.columns))
+        structure = prune_structure(group.structure, wanted) if columns else group.structure
+        parts = [(group.columns[c][0], group.columns[c][1], group.parts[c]) for c in wanted]
+        squeeze = [bool(group.columns[c][2]) for c in wanted]
+        messages.append(encode_sample_response(infos[group.start:group.stop], lengths[:, list(wanted)], structure,
+                                               squeeze, parts))
     return messages

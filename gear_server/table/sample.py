@@ -43,7 +43,7 @@ class Selection:
 
 
 def sample(core: TableCore, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
-           by_reference: bool = False) -> Selection:
+           by_reference: bool = False, rng: np.random.Generator | None = None) -> Selection:
     """Pick ``num_samples`` items, each as if sampled alone, and lease their slots (``Table.sample``)."""
     n = int(num_samples)
     if n < 1:
@@ -78,7 +78,7 @@ def sample(core: TableCore, num_samples: int, timeout: float | None = None, aban
                 raise NeedsInlinePlane(f"table '{core.name}' holds items of {_layouts_held_locked(core)} layouts "
                                        "(structures, dtypes or step shapes); they are read inline")
             t0 = time.perf_counter()
-            picks = _pick_locked(core, k)
+            picks = _pick_locked(core, k, core.rng if rng is None else rng)
             batches.append(picks)
             got = len(picks.slots)
             taken += got
@@ -104,12 +104,12 @@ def _layouts_held_locked(core: TableCore) -> int:
     return core.side.layouts() + (len(core.side) < len(core.slots))
 
 
-def _pick_locked(core: TableCore, k: int) -> Picks:
+def _pick_locked(core: TableCore, k: int, rng: np.random.Generator) -> Picks:
     """Up to k picks that see the same table; stops after a pick that deletes its item.
 
     The caller holds the lock.
     """
-    slots, probs, repeats = core.sampler.sample_with_repeats(k, core.rng)
+    slots, probs, repeats = core.sampler.sample_with_repeats(k, rng)
     picks = count_picks(core.meta, slots, probs, core.max_times_sampled, len(core.slots), repeats)
     core.count_unique_samples_locked(picks.first_samples)
     if picks.deletes_last:
@@ -156,6 +156,27 @@ def _leased_views(core: TableCore, selection: Selection
             raise ValueError(f"lease {selection.lease_id} is not held on table '{core.name}'")
         side = core.side.items_among(selection.slots.tolist()) if core.side else {}
         return core.columns.views, core.columns.specs, side
+
+
+def split_lease(core: TableCore, lease_id: int, start: int, stop: int) -> int:
+    """Move the picks [start, stop) of a lease (in pick order) to a new lease; returns its id.
+
+    The slots stay held throughout (the two leases together hold what the one did);
+    the old lease ends when nothing is left in it. KeyError if it is not held.
+    """
+    with core.lock:
+        held = core.slots.leases.get(int(lease_id))
+        if held is None:
+            raise KeyError(f"lease {lease_id} is not held on table '{core.name}'")
+        picks = held.slots
+        if not 0 <= start < stop <= len(picks):
+            raise ValueError(f"picks [{start}, {stop}) are not in lease {lease_id} of {len(picks)} picks")
+        rest = np.concatenate((picks[:start], picks[stop:]))
+        if len(rest):
+            core.slots.leases[int(lease_id)] = held_of(rest)
+        else:
+            del core.slots.leases[int(lease_id)]
+        return core.slots.lease(held_of(picks[start:stop]))
 
 
 def release(core: TableCore, lease_id: int) -> None:

@@ -188,7 +188,7 @@ class Table:
 
     # ------------------------------------------------------------------ sample / read / release (table_sample)
     def sample(self, num_samples: int, timeout: float | None = None, abandoned: Abandoned = None, *,
-               by_reference: bool = False) -> Selection:
+               by_reference: bool = False, rng: np.random.Generator | None = None) -> Selection:
         """Pick ``num_samples`` items, each as if sampled alone; lease their slots.
 
         Each pick passes the rate limiter (blocking between picks as needed),
@@ -201,8 +201,11 @@ class Table:
         ``by_reference``: the caller reads the items from the segment (shm, rdma), which
         holds only the column layout's items: while the table holds items of other
         layouts it picks nothing (NeedsInlinePlane) or stops before them.
+
+        ``rng``: the generator the picks are drawn from (default the table's own): a
+        seeded one makes the picks reproducible for a given table state.
         """
-        return table_sample.sample(self._core, num_samples, timeout, abandoned, by_reference=by_reference)
+        return table_sample.sample(self._core, num_samples, timeout, abandoned, by_reference=by_reference, rng=rng)
 
     def read(self, selection: Selection) -> list[np.ndarray]:
         """Copy the selected (leased) items' bytes: per column, the items' steps concatenated.
@@ -230,6 +233,10 @@ class Table:
     def release(self, lease_id: int) -> None:
         """End a lease (unknown or already released ids are ignored)."""
         table_sample.release(self._core, lease_id)
+
+    def split_lease(self, lease_id: int, start: int, stop: int) -> int:
+        """Move picks [start, stop) of a lease to a new one (its id): a shared selection handed out in slices."""
+        return table_sample.split_lease(self._core, lease_id, start, stop)
 
     # ------------------------------------------------------------------ mutate / reset
     def mutate_priorities(self, updates: Mapping[int, float] | Iterable[tuple[int, float]] | None = None,
