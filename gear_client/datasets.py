@@ -95,20 +95,31 @@ class TrajectoryDataset(_iterable_dataset_base()):
     ("shm", "rdma", "inline"). ``output``: None (NumPy / CuPy as the device says),
     "torch" or "jax". ``prefetch``: batches kept ready ahead of the learner, on
     tables that may be read ahead.
+
+    ``columns``: only these fields are fetched (paths such as ``"obs"`` or
+    ``"obs/rgb"``, or a nest of the wanted fields); the batches hold only them.
+    ``rank``/``world_size`` (default: torch.distributed's when it is
+    initialised), ``seed`` and ``group_id``: data-parallel ranks on one global
+    selection: rank r of world w gets rows [r B, (r+1) B) of the batch of w B
+    items that one sampler with the same seed would get (docs/DATA_PLANES.md).
     """
 
     def __init__(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
                  device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
-                 rate_limiter_timeout_ms: int = -1, max_samples: int = -1, sampler_options: dict | None = None):
+                 rate_limiter_timeout_ms: int = -1, max_samples: int = -1, sampler_options: dict | None = None,
+                 columns: Any = None, rank: int | None = None, world_size: int | None = None,
+                 seed: int | None = None, group_id: str | None = None):
         self._configure(server_address, table, batch_size, window=window, device=device, output=output,
                         prefetch=prefetch, planes=planes, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
-                        max_samples=max_samples, sampler_options=sampler_options)
+                        max_samples=max_samples, sampler_options=sampler_options, columns=columns, rank=rank,
+                        world_size=world_size, seed=seed, group_id=group_id)
         self._start()
 
     def _configure(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
                    device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
                    rate_limiter_timeout_ms: int = -1, max_samples: int = -1,
-                   sampler_options: dict | None = None) -> None:
+                   sampler_options: dict | None = None, columns: Any = None, rank: int | None = None,
+                   world_size: int | None = None, seed: int | None = None, group_id: str | None = None) -> None:
         """Validate and keep the options; nothing is opened (``_start`` does that in the process that iterates)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -120,7 +131,8 @@ class TrajectoryDataset(_iterable_dataset_base()):
         self._args = (server_address, table, batch_size)
         self._kwargs = {"window": window, "device": device, "output": output, "prefetch": prefetch, "planes": planes,
                         "rate_limiter_timeout_ms": rate_limiter_timeout_ms, "max_samples": max_samples,
-                        "sampler_options": sampler_options}
+                        "sampler_options": sampler_options, "columns": columns, "rank": rank,
+                        "world_size": world_size, "seed": seed, "group_id": group_id}
         self.table = table
         self.batch_size = int(batch_size)
         self.window = window
@@ -149,12 +161,19 @@ class TrajectoryDataset(_iterable_dataset_base()):
         self._stop = threading.Event()
         self._done = False
         self._started_in = os.getpid()
+        options = dict(kw["sampler_options"] or {})
+        for name in ("columns", "rank", "world_size", "seed", "group_id"):
+            if kw[name] is not None:
+                options[name] = kw[name]
+        grouped = any(kw[name] is not None for name in ("rank", "world_size", "seed", "group_id"))
+        if grouped and worker is not None and worker[1] > 1:
+            raise ValueError("rank, world_size, seed or group_id with several DataLoader workers: the workers would "
+                             "take one rank's slices in turns; use num_workers <= 1 (one sampler per rank)")
         if is_sharded(server_address):  # several daemons, one table (docs/SHARDING.md)
             self._sampler = sharded_sampler(server_address, table, client_type=Client, planes=kw["planes"],
-                                            device=self.device, **(kw["sampler_options"] or {}))
+                                            device=self.device, **options)
         else:
-            self._sampler = PlaneSampler(server_address, table, planes=kw["planes"], device=self.device,
-                                         **(kw["sampler_options"] or {}))
+            self._sampler = PlaneSampler(server_address, table, planes=kw["planes"], device=self.device, **options)
         self._thread = threading.Thread(target=self._produce, name=f"gear-dataset-{table}", daemon=True)
         self._thread.start()
 

@@ -114,3 +114,18 @@ def priority_weights(priorities: np.ndarray, exponent: float) -> np.ndarray:
     out = np.zeros_like(p)
     with np.errstate(over="ignore"):  # an overflow gives inf, as the weight of a priority that large should
         return np.power(p, exponent, out=out, where=p > 0)
+
+
+_MASK64 = (1 << 64) - 1
+# Key of the client's split of a group step over shards: apart from the shards' own picks of that step.
+SPLIT_KEY = 0x5EED_5917
+
+
+def step_rng(seed: int, step: int, stream: int = 0) -> np.random.Generator:
+    """A selection group's generator for one step: counter-based (Philox), keyed by (seed, step, stream).
+
+    The daemon draws step ``step``'s picks from stream 0; a sharded learner splits the step over the
+    shards with stream ``SPLIT_KEY``. Any process gets the same draws for the same key.
+    """
+    return np.random.Generator(np.random.Philox(
+        key=np.array([(seed ^ (stream << 32)) & _MASK64, step & _MASK64], np.uint64)))

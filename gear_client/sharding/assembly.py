@@ -46,13 +46,14 @@ _BLOCK_BYTES = 16 << 10  # bytes of a row one block writes (256 threads x 16 B x
 
 def assemble(pieces: list[SampledBatch], rng: np.random.Generator, device: Any = None,
              context: DeviceAssembly | HostAssembly | None = None, probabilities: np.ndarray | None = None,
-             table_size: int | None = None) -> SampledBatch:
+             table_size: int | None = None, order: np.ndarray | None = None) -> SampledBatch:
     """The pieces as one batch (rows shuffled, one copy); a single piece is returned as it is.
 
     ``device`` names a GPU: the batch is assembled there. ``context``: the
     consumer's DeviceAssembly (GPU; default one per device) or HostAssembly
     (CPU; default fresh arrays). ``probabilities`` (the pieces' rows in order)
-    and ``table_size`` replace the pieces' own (a sharded table's global ones).
+    and ``table_size`` replace the pieces' own (a sharded table's global ones). ``order``: where the
+    pieces' rows (in order) land, instead of a permutation drawn from ``rng`` (a group rank's rows).
     """
     if not pieces:
         raise ValueError("nothing to assemble")
@@ -72,7 +73,8 @@ def assemble(pieces: list[SampledBatch], rng: np.random.Generator, device: Any =
     shapes = _column_shapes(pieces)
     sizes = [len(p) for p in pieces]
     total = sum(sizes)
-    order = rng.permutation(total)  # piece j's rows land at order[starts[j]:starts[j] + sizes[j]]
+    if order is None:
+        order = rng.permutation(total)  # piece j's rows land at order[starts[j]:starts[j] + sizes[j]]
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
     if is_gpu_device(device):
         if not isinstance(context, DeviceAssembly):

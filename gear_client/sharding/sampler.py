@@ -33,7 +33,9 @@ import numpy as np
 from gear_client import errors
 from gear_client.data_planes.batch import SampledBatch
 from gear_client.data_planes.range_planning import WindowSpec
+from gear_client.data_planes.ranks import selection_group, torch_ranks
 from gear_client.data_planes.sampler import PlaneSampler, SamplerClosedError
+from gear_client.data_planes.session import GroupSlice
 from gear_client.data_planes.shm import gpu_index, is_gpu_device
 from gear_client.sharding.assembly import DeviceAssembly, HostAssembly, assemble, rows
 from gear_client.sharding.membership import Shard, ShardSet, is_unreachable
@@ -48,6 +50,7 @@ from gear_client.sharding.selection import (
 )
 from gear_client.sharding.streams import ShardStream, StreamError, closed_error
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.selectors import SPLIT_KEY, step_rng
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,10 @@ class ShardedSampler:
                  weights_max_age_s: float = 0.0, owns_shards: bool = False, **plane_options: Any):
         """``weights_max_age_s``: split by the shards' sizes and masses asked at most this long ago
         (0: ask before every batch, exact; more saves a round trip per batch, and the split follows
-        changes of the masses that late; reported probabilities stay exact for the sampled shards)."""
+        changes of the masses that late; reported probabilities stay exact for the sampled shards).
+
+        ``rank``/``world_size``/``group_id`` in ``plane_options`` (or an initialised torch.distributed): this
+        sampler is a rank of a selection group (``sample_grouped``); ``seed`` is then the group's."""
         self.shards = shards
         self.table = table
         self.planes = planes
@@ -92,6 +98,15 @@ class ShardedSampler:
         self._plane_options = plane_options
         self._owns_shards = owns_shards
         self._rng = np.random.default_rng(seed)
+        self.group = None
+        if any(plane_options.get(k) is not None for k in ("rank", "world_size", "group_id")) or torch_ranks():
+            self.group = selection_group(table, rank=plane_options.pop("rank", None),
+                                         world_size=plane_options.pop("world_size", None), seed=seed,
+                                         group_id=plane_options.pop("group_id", None))
+            if self.group is not None:  # every shard's sampler joins the group on its daemon
+                plane_options.update(rank=self.group.rank, world_size=self.group.world_size, seed=self.group.seed,
+                                     group_id=self.group.group_id)
+        self.step = 0  # a group's next step
         self._lock = threading.RLock()
         self._samplers: dict[int, PlaneSampler] = {}
         self._policy: Policy | None = None
@@ -233,7 +248,66 @@ class ShardedSampler:
         """``num_samples`` items with global semantics (fewer only when ``timeout`` passes after some were picked)."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if self.group is not None:
+            return self.sample_grouped(num_samples, window=window, timeout=timeout)
         return self._fetch(self._plan(num_samples, timeout), window)
+
+    def sample_grouped(self, num_samples: int, *, window: WindowSpec = None,
+                       timeout: float | None = None) -> SampledBatch:
+        """This rank's rows [r B, (r+1) B) of the group's next step of w B picks over every shard.
+
+        Every rank splits the step the same way from the same draws (``step_rng(seed, step, SPLIT_KEY)``
+        over the shards' sizes and masses, asked now): shard s picks c_s items (its own group step,
+        made once on that daemon), and the w B rows take their shards in a seeded shuffled order; a rank
+        takes, of each shard, the contiguous run of that shard's picks that falls in its rows. Masses and
+        sizes come from what the shards reported, so every rank reports the same global probabilities.
+        A shard that fails fails the batch (no re-split: the others' slices of its picks would differ).
+        """
+        group = self.group
+        with self._lock:
+            step, self.step = self.step, self.step + 1
+        total = group.world_size * num_samples
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = EMPTY_POLL_S[0]
+        while True:
+            if self.closed:
+                raise SamplerClosedError("this sampler is closed")
+            policy, weights = self.weights()
+            weights = {i: weights[i] for i in sorted(weights)}
+            rng = step_rng(group.seed, step, SPLIT_KEY)
+            counts = split(policy, list(weights.values()), total, rng)
+            if counts:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.DeadlineExceededError(f"sample: table '{self.table}' has no item on any live shard "
+                                                   f"within {timeout}s")
+            time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
+            wait = min(2 * wait, EMPTY_POLL_S[1])
+        shard_order = sorted(counts)
+        labels = np.repeat(np.array(shard_order), [counts[i] for i in shard_order])
+        rng.shuffle(labels)  # row j of the step's w B rows comes from shard labels[j]
+        first = group.rank * num_samples
+        mine = labels[first:first + num_samples]
+        running = {}
+        for index in shard_order:
+            take = int(np.count_nonzero(mine == index))
+            if not take:
+                continue
+            part = GroupSlice(step, counts[index], int(np.count_nonzero(labels[:first] == index)))
+            sampler = self._sampler(self.shards.shards[index])
+            running[index] = self.shards.submit(sampler.sample_slice, part, take, window=window,
+                                                timeout=None if deadline is None else
+                                                max(0.001, deadline - time.monotonic()))
+        pieces = {index: [future.result()] for index, future in running.items()}
+        per_shard = {}
+        for index, (piece,) in pieces.items():
+            self.shards.key_owners.learn(piece.keys, index)
+            per_shard[index] = (piece.priorities, piece.probabilities, piece.table_sizes)
+        size, probabilities = globalise(policy, weights, per_shard, masses_from_answers=False)
+        order = np.concatenate([np.flatnonzero(mine == index) for index in pieces])
+        return assemble([p[0] for p in pieces.values()], rng, self.device, self._assembly,
+                        probabilities=np.concatenate(probabilities) if len(probabilities) > 1 else probabilities[0],
+                        table_size=size, order=order)
 
     def _plan(self, num_samples: int, timeout: float | None) -> _Plan:
         """Ask the shards (or reuse recent answers) and split ``num_samples``; waits while no shard has an item.
@@ -379,6 +453,9 @@ class ShardedSampler:
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if self.group is not None:  # one step at a time: every rank's rows of one global selection
+            while True:
+                yield self.sample_grouped(num_samples, window=window, timeout=timeout)
         policy, _ = self._recent_weights()
         if policy.kind in (UNIFORM, PRIORITIZED):
             yield from self._streamed(num_samples, window, timeout)

@@ -160,19 +160,21 @@ def selection_mass(policy: Policy, priorities: np.ndarray, probabilities: np.nda
     return float(ratios[m // 2]) if m % 2 else float((ratios[m // 2 - 1] + ratios[m // 2]) / 2)
 
 
-def globalise(policy: Policy, weights: dict[int, ShardWeight], parts: dict[int, tuple[np.ndarray, ...]]
-              ) -> tuple[int, list[np.ndarray]]:
+def globalise(policy: Policy, weights: dict[int, ShardWeight], parts: dict[int, tuple[np.ndarray, ...]],
+              *, masses_from_answers: bool = True) -> tuple[int, list[np.ndarray]]:
     """Global (table_size, per-part probabilities) of parts shard -> (priorities, probabilities, table_sizes).
 
     Sampled shards count with their size and mass at selection; the others with
-    what they reported before the split (``weights``).
+    what they reported before the split (``weights``). ``masses_from_answers``
+    False: every mass as reported before the split (a group rank, whose slice of a
+    shard's picks would give a median of other items than another rank's).
     """
     sizes = {s: w.size for s, w in weights.items()}
     masses = {s: w.mass for s, w in weights.items()}
     for s, (priorities, probabilities, table_sizes) in parts.items():
         if len(table_sizes):
             sizes[s] = int(table_sizes[0])
-        if policy.kind == PRIORITIZED:
+        if policy.kind == PRIORITIZED and masses_from_answers:
             mass = selection_mass(policy, priorities, probabilities)
             if mass is not None:
                 masses[s] = mass

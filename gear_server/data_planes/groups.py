@@ -29,20 +29,17 @@ from typing import Any
 import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.selectors import step_rng
+
+__all__ = ["GroupRegistry", "GroupStep", "SelectionGroup", "SliceSelection", "StepGone", "step_rng"]
 
 MAX_PENDING_STEPS = 64  # steps of one group not fully taken yet
 MAX_REMEMBERED_STEPS = 4096  # steps of one group remembered as taken or dropped (to refuse them again)
 MAX_GROUP_ID = 256
-_MASK64 = (1 << 64) - 1
 
 
 class StepGone(LookupError):
     """The step was dropped (expired, or too many steps pending) or already fully taken."""
-
-
-def step_rng(seed: int, step: int) -> np.random.Generator:
-    """The generator of step ``step``'s picks: counter-based (Philox), keyed by (seed, step)."""
-    return np.random.Generator(np.random.Philox(key=np.array([seed & _MASK64, step & _MASK64], np.uint64)))
 
 
 class GroupStep:
