@@ -4,7 +4,7 @@ A table's columns are the leaves of its signature in flattened order. A
 learner names the fields it wants by path (``"obs"``, ``"obs/rgb"``, ``"0"`` for
 a tuple's first element; a path names one leaf or every leaf under it) or as a
 nest of the wanted fields (e.g. ``{"obs": {"rgb": True}}``: every leaf names a
-path). The batch it gets has the table's structure pruned to those leaves:
+path; a leaf that is None names nothing). The batch it gets has the table's structure pruned to those leaves:
 mappings lose the keys not asked for, tuples, lists and namedtuples keep their
 length with None where a field was not asked for.
 """
@@ -18,6 +18,10 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.nest import flatten_with_paths
 
 _Kind = pb.Structure.Kind
+
+
+class UnknownFieldError(ValueError):
+    """A wanted path names no field of the table."""
 
 
 def leaf_paths(structure: pb.Structure) -> list[str]:
@@ -54,12 +58,12 @@ def column_indices(structure: pb.Structure, columns: Any) -> list[int]:
     paths = leaf_paths(structure)
     wanted = wanted_paths(columns)
     if not wanted:
-        raise ValueError("columns names no field (give at least one path)")
+        raise UnknownFieldError("columns names no field (give at least one path)")
     chosen: set[int] = set()
     for path in wanted:
         hits = [i for i, p in enumerate(paths) if p == path or path == "" or p.startswith(path + "/")]
         if not hits:
-            raise ValueError(f"unknown field path '{path}': the table's fields are {paths}")
+            raise UnknownFieldError(f"unknown field path '{path}': the table's fields are {paths}")
         chosen.update(hits)
     return sorted(chosen)
 

@@ -106,6 +106,15 @@ class PlaneOpener:
                 conn.close()
                 conn = None
             layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
+            if self.columns is not None and layout is not None:
+                try:
+                    self.columns.indices(layout)  # an unknown path is refused before anything is selected
+                except ValueError:
+                    if conn is not None:
+                        conn.close()
+                    if response.session_id:
+                        PlaneSession(self.stub, self.table, response, metadata=self.metadata).close()
+                    raise
             if response.kind == negotiation.INLINE:
                 from gear_client.data_planes.inline import InlinePlane
 

@@ -51,6 +51,7 @@ from gear_client.data_planes.targets import connect
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
+from gear_contract.projection import UnknownFieldError
 
 __all__ = ["MAX_OUTGROWN_LAYOUTS", "MAX_STALE_RETRIES", "LayoutStep", "PipelineState", "PlaneSampler",
            "SamplerClosedError", "StaleBatchError", "gathers_in_flight", "select_width"]
@@ -303,7 +304,8 @@ class PlaneSampler:
                 return Retry.REOPENED
             batch = plane.fetch(selection, window)
         except Exception as exc:  # noqa: BLE001 - the plane broke (RDMA error, unmapped segment): next best
-            if self.closed:
+            if self.closed or isinstance(exc, UnknownFieldError):
+                self._release_quietly(session, selection.lease_id)
                 raise
             log.warning("%s plane failed while reading (%s); falling back", plane.kind, exc)
             self._release_quietly(session, selection.lease_id)
@@ -413,7 +415,11 @@ class PlaneSampler:
                     if self.closed:
                         state.to_release.append(selection.lease_id)
                         raise SamplerClosedError("the sampler was closed while sampling")
-                    step = self._follow_layout(selection, state, plane)
+                    try:
+                        step = self._follow_layout(selection, state, plane)
+                    except UnknownFieldError:
+                        state.to_release.append(selection.lease_id)
+                        raise
                     if step is LayoutStep.RECOVER:
                         state.to_release.append(selection.lease_id)
                         return
@@ -468,6 +474,8 @@ class PlaneSampler:
         try:
             if not self._map_layout(plane, layout, region):
                 return LayoutStep.DROP
+        except UnknownFieldError:
+            raise
         except Exception as exc:  # noqa: BLE001 - cannot map the new segment: next best plane
             log.warning("%s plane cannot switch to the new layout (%s); falling back", plane.kind, exc)
             with self._lock:
@@ -484,6 +492,8 @@ class PlaneSampler:
         answer (the session's layout is still the one it sent). Too many such
         layouts in a row, and the error is raised (the plane falls back).
         """
+        if self._opener.columns is not None:
+            self._opener.columns.indices(layout)  # UnknownFieldError: not a plane failure (no fallback)
         try:
             plane.set_layout(layout, region)
         except FileNotFoundError as exc:
