@@ -133,9 +133,10 @@ def test_slow_reads_past_the_lease_timeout_are_discarded_not_returned(monkeypatc
         slow = iter([True, False] * 1000)
 
         def slow_gather(*args, **kwargs):
-            gather(*args, **kwargs)
+            moved = gather(*args, **kwargs)
             if next(slow):
                 time.sleep(0.15)  # well past the lease: the slots may be rewritten meanwhile
+            return moved
 
         monkeypatch.setattr(shm_module, "gather_numpy", slow_gather)
         with Churn(d.tables["t"], length=16, dim=64), PlaneSampler(d.address(), "t") as s:
@@ -250,9 +251,10 @@ def test_pipelined_batches_drop_stale_ones_and_leave_no_lease_behind(monkeypatch
         slow = iter([True, False, False] * 1000)
 
         def slow_gather(*args, **kwargs):
-            gather(*args, **kwargs)
+            moved = gather(*args, **kwargs)
             if next(slow):
                 time.sleep(0.15)
+            return moved
 
         monkeypatch.setattr(shm_module, "gather_numpy", slow_gather)
         with Churn(d.tables["t"], length=16, dim=64), PlaneSampler(d.address(), "t") as s:

@@ -200,7 +200,7 @@ def test_a_failing_gather_ends_the_stream_with_its_error_and_no_lease_left(monke
         def failing_gather(*args, **kwargs):
             if next(calls) == 4:
                 raise OSError("the segment went away")
-            gather(*args, **kwargs)
+            return gather(*args, **kwargs)
 
         monkeypatch.setattr(shm_module, "gather_numpy", failing_gather)
         with PlaneSampler(d.address(), "t") as s:
