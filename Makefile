@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu
+.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks
 
 install: $(STAMP)
 
@@ -168,3 +168,9 @@ install-service:
 
 clean:
 	rm -rf .build $(VENV) .pytest_cache
+
+# Data-parallel ranks on one global selection against independent samplers, and column projection's bytes
+# (host memory here; on the GPU machine: make bench-ranks RANKS_ARGS="--device cuda --world 4").
+RANKS_ARGS ?=
+bench-ranks: install
+	$(VPY) bench/bench_ranks.py $(RANKS_ARGS)

@@ -50,8 +50,7 @@ def inline_sampler(d, **kwargs) -> PlaneSampler:
 
 def moved(sampler: PlaneSampler) -> int:
     """The bytes the sampler's plane moved: read from the segment (shm, rdma) or received (inline)."""
-    plane = sampler._reader if sampler._reader is not None else sampler._inline
-    return plane.bytes_read if hasattr(plane, "bytes_read") else plane.bytes_received
+    return sampler.bytes_moved
 
 
 def assert_values(batch, fields: list[str]) -> None:
