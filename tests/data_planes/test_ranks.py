@@ -4,8 +4,13 @@ memory; bad groups refused. Real daemon (gRPC on loopback), real shm, ranks as t
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +23,7 @@ from tests.support.plane_daemon import start_daemon, table_config
 from tests.support.trajectories import check_batch, fill
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 B = 4
 
@@ -165,3 +171,15 @@ def test_bad_groups_are_refused(daemon):
                 twin.sample(B)  # two ranks with one rank number
     with pytest.raises(ValueError, match="needs the shm or rdma plane"):
         PlaneSampler(daemon.address(), "u", planes=["inline"], rank=0, world_size=2, seed=4).sample(B)
+
+
+def test_the_docs_recipe_runs_as_written(tmp_path):
+    text = (ROOT / "docs" / "DATA_PLANES.md").read_text()
+    code = re.search(r"<!-- recipe: ranks -->\n```python\n(.*?)^```", text, re.S | re.M).group(1)
+    script = tmp_path / "recipe.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['action', 'reward']"
