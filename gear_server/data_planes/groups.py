@@ -31,7 +31,8 @@ import numpy as np
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.selectors import step_rng
 
-__all__ = ["GroupRegistry", "GroupStep", "SelectionGroup", "SliceSelection", "StepGone", "step_rng"]
+__all__ = ["GroupRegistry", "GroupStep", "MakerLeft", "SelectionGroup", "SliceSelection", "StepGone",
+           "step_rng"]
 
 MAX_PENDING_STEPS = 64  # steps of one group not fully taken yet
 MAX_REMEMBERED_STEPS = 4096  # steps of one group remembered as taken or dropped (to refuse them again)
@@ -40,6 +41,10 @@ MAX_GROUP_ID = 256
 
 class StepGone(LookupError):
     """The step was dropped (expired, or too many steps pending) or already fully taken."""
+
+
+class MakerLeft(Exception):
+    """The rank making a step's selection left before it was made (its call ended): another rank makes it."""
 
 
 class GroupStep:

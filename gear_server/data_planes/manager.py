@@ -26,7 +26,7 @@ from grpc import aio
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.wire import encode_tensor_fields
-from gear_server.data_planes.groups import GroupRegistry, StepGone, step_rng
+from gear_server.data_planes.groups import GroupRegistry, MakerLeft, StepGone, step_rng
 from gear_server.data_planes.offers import gpu_off_reason, plane_report
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
@@ -305,18 +305,22 @@ class DataPlaneManager:
             asked, offset = group.world_size * n, session.rank * n
         if asked > MAX_SELECT:
             raise ValueError(f"a step of {asked} picks is more than {MAX_SELECT}")
-        step, makes = self.groups.begin(group, int(request.group_step), asked)
-        if makes:
-            try:
-                selection = await calls.sample(session.table, asked, timeout, by_reference=True,
-                                               rng=step_rng(group.seed, step.step))
-            except BaseException as exc:
-                self.groups.failed(group, step, exc if isinstance(exc, Exception) else StepGone("cancelled"))
-                raise
-            self.groups.made(group, step, selection)
-        else:
-            await asyncio.shield(asyncio.wrap_future(step.ready))
-        return self.groups.claim(group, step, offset, offset + n)
+        while True:
+            step, makes = self.groups.begin(group, int(request.group_step), asked)
+            if makes:
+                try:
+                    selection = await calls.sample(session.table, asked, timeout, by_reference=True,
+                                                   rng=step_rng(group.seed, step.step))
+                except BaseException as exc:
+                    self.groups.failed(group, step, exc if isinstance(exc, Exception) else MakerLeft())
+                    raise
+                self.groups.made(group, step, selection)
+            else:
+                try:
+                    await asyncio.shield(asyncio.wrap_future(step.ready))
+                except MakerLeft:
+                    continue  # its maker's call ended first: this rank makes the step
+            return self.groups.claim(group, step, offset, offset + n)
 
     def _send_layout(self, session: Session, table: Table, response: pb.SelectResponse,
                      context: aio.ServicerContext) -> None:

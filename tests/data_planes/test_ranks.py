@@ -183,3 +183,39 @@ def test_the_docs_recipe_runs_as_written(tmp_path):
                           timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "['action', 'reward']"
+
+
+def test_a_rank_waiting_for_a_step_whose_maker_left_makes_it_itself():
+    d = start_daemon(table_config("t", 64))
+    try:
+        maker = PlaneSampler(d.address(), "t", planes=["shm"], rank=0, world_size=2, seed=9)
+        waiter = PlaneSampler(d.address(), "t", planes=["shm"], rank=1, world_size=2, seed=9)
+        maker.open()
+        waiter.open()
+        outcome: dict[str, object] = {}
+
+        def run(name, sampler):
+            try:
+                outcome[name] = sampler.sample(B)
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                outcome[name] = exc
+
+        first = threading.Thread(target=run, args=("maker", maker))
+        first.start()  # the table is empty: the maker waits on the rate limiter
+        deadline = time.monotonic() + 10
+        while not d.manager.groups.pending_steps() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = threading.Thread(target=run, args=("waiter", waiter))
+        second.start()
+        time.sleep(0.3)
+        maker.close()  # its Select ends while it was making step 0
+        first.join(10)
+        fill(d.tables["t"], 8, length=8, dim=16)
+        second.join(20)
+        batch = outcome["waiter"]
+        assert not isinstance(batch, BaseException), batch
+        assert len(batch) == B and check_batch(batch) == B
+        waiter.close()
+        assert d.manager.groups.pending_steps() == 0 and d.tables["t"].active_leases() == 0
+    finally:
+        d.stop()
