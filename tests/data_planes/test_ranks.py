@@ -219,3 +219,22 @@ def test_a_rank_waiting_for_a_step_whose_maker_left_makes_it_itself():
         assert d.manager.groups.pending_steps() == 0 and d.tables["t"].active_leases() == 0
     finally:
         d.stop()
+
+
+def test_rank_and_world_size_are_read_from_an_initialised_torch_distributed(monkeypatch):
+    """How the rank is looked up (torch itself is not installed here: a module with torch.distributed's
+    four functions stands in; the default venv must never import torch)."""
+    import types
+
+    from gear_client.data_planes.ranks import selection_group
+
+    dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 1,
+                                 get_world_size=lambda: 4)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(distributed=dist))
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    group = selection_group("t", seed=3)
+    assert (group.rank, group.world_size, group.seed, group.group_id) == (1, 4, 3, "torch:10.0.0.1:29500")
+    assert selection_group("t", rank=0, world_size=2, seed=3).world_size == 2  # given arguments win
+    dist.is_initialized = lambda: False
+    assert selection_group("t") is None  # not initialised: a learner on its own, as in Reverb
