@@ -14,6 +14,7 @@ from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
 from gear_contract.projection import column_indices, leaf_paths, prune_structure
+from gear_kernels import gpu_available
 from tests.support.plane_daemon import start_daemon, table_config
 from tests.support.rdma_emulation import EmulatedConnection, EmulatedRdmaServer
 from tests.support.trajectories import fill, make_item
@@ -135,3 +136,16 @@ def test_paths_and_pruned_structures():
         column_indices(structure, "obs/ir")
     with pytest.raises(ValueError, match="names no field"):
         column_indices(structure, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_shm_into_gpu_memory_gathers_only_the_wanted_columns(daemon):
+    with shm_sampler(daemon, columns=["obs", "reward"], device="cuda") as s:
+        batch = s.sample(N)
+        assert moved(s) == N * (FIELD_BYTES["obs"] + FIELD_BYTES["reward"])
+        got = nest.unflatten(batch.structure, [c.get() for c in batch.columns])
+    assert sorted(got) == ["obs", "reward"]
+    for i, key in enumerate(batch.keys.tolist()):
+        item = make_item(int(key), T, D)
+        assert np.array_equal(got["obs"][i], item["obs"]) and np.array_equal(got["reward"][i], item["reward"])
