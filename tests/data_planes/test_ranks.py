@@ -51,16 +51,17 @@ def world_one(d, table: str, batch: int, seed: int, steps: int = STEPS):
         return [s.sample(batch) for _ in range(steps)]
 
 
-def ranks(d, table: str, world: int, seed: int, steps: int = STEPS, **kwargs):
+def ranks(d, table: str, world: int, seed: int, steps: int = STEPS, planes_override=None, **kwargs):
     """Every rank's batches, each rank a thread with its own sampler (its own session)."""
     out: dict[int, list] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
-            with PlaneSampler(d.address(), table, planes=["shm"], rank=r, world_size=world, seed=seed,
-                              **kwargs) as s:
+            with PlaneSampler(d.address(), table, planes=planes_override or ["shm"], rank=r, world_size=world,
+                              seed=seed, **kwargs) as s:
                 out[r] = [s.sample(B) for _ in range(steps)]
+                assert s.kind == (planes_override or ["shm"])[0]
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -238,3 +239,19 @@ def test_rank_and_world_size_are_read_from_an_initialised_torch_distributed(monk
     assert selection_group("t", rank=0, world_size=2, seed=3).world_size == 2  # given arguments win
     dist.is_initialized = lambda: False
     assert selection_group("t") is None  # not initialised: a learner on its own, as in Reverb
+
+
+def test_ranks_on_the_rdma_plane_get_their_rows_too():
+    """Each rank "on another host" reads its rows over (emulated) RDMA; the world 1 reference over shm."""
+    from tests.support.rdma_emulation import EmulatedConnection, EmulatedRdmaServer
+
+    d = start_daemon(prioritized("p"), rdma=EmulatedRdmaServer())
+    try:
+        fill(d.tables["p"], 40, length=8, dim=16)
+        d.tables["p"].mutate_priorities({key: 0.5 + (key % 7) for key in range(1, 41)})
+        reference = world_one(d, "p", 2 * B, seed=17)
+        per_rank = ranks(d, "p", 2, seed=17, host_id="learner-on-another-host",
+                         rdma_connection=lambda: EmulatedConnection(num_qps=2), planes_override=["rdma"])
+        assert_rows_of(reference, per_rank, 2)
+    finally:
+        d.stop()
