@@ -102,7 +102,7 @@ class InlinePlane:
                  columns: ColumnChoice | None = None):
         self._stub = stub
         self.columns = columns  # the daemon sends only these columns (None: all)
-        self.bytes_received = 0  # bytes of the Sample answers (raw stream; parsed messages: their size)
+        self.bytes_moved = 0  # bytes of the Sample answers (raw stream; parsed messages: their size)
         self._sample_call = sample_call  # unary_stream returning raw bytes (parsed without copies)
         self.table = table
         self.layout = layout
@@ -120,7 +120,7 @@ class InlinePlane:
         return (view_of(self._counted(resp).batch) for resp in call)
 
     def _counted(self, answer):
-        self.bytes_received += len(answer) if isinstance(answer, (bytes, bytearray, memoryview)) else answer.ByteSize()
+        self.bytes_moved += len(answer) if isinstance(answer, (bytes, bytearray, memoryview)) else answer.ByteSize()
         return answer
 
     def cancel(self) -> None:

@@ -31,6 +31,7 @@ class Plane(Protocol):
 
     kind: str  # "shm", "rdma" or "inline"
     layout: TableLayout | None  # the layout batches are padded by (None before the table has one)
+    bytes_moved: int  # item bytes moved so far: read from the segment (shm, rdma), received (inline)
 
     def cancel(self) -> None:
         """End a call this plane blocks on in another thread (close() follows)."""

@@ -177,7 +177,7 @@ class RdmaPlane:
         self.session = session
         self.layout = layout
         self.columns = columns  # read only these columns' windows (None: all)
-        self.bytes_read = 0  # bytes READ from the daemon's segment
+        self.bytes_moved = 0  # bytes READ from the daemon's segment
         self.region = region
         self.connection = connection
         self.chain_length = max(1, min(chain_length, connection.max_send_wr))
@@ -221,7 +221,7 @@ class RdmaPlane:
         for off, length in padding_ranges(counts, batch, firsts).tolist():
             buf[off:off + length] = 0
         self.last_plan = plan
-        self.bytes_read += int(ranges[:, LENGTH].sum()) if len(ranges) else 0
+        self.bytes_moved += int(ranges[:, LENGTH].sum()) if len(ranges) else 0
         keys, probs, sizes, prios, times = selection.infos
         return SampledBatch(keys, probs, sizes, prios, times, column_arrays(buf, layout, batch, n),
                             counts.astype(np.int32), layout.structure, tuple(c.squeeze for c in layout.columns),

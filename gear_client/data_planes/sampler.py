@@ -226,7 +226,7 @@ class PlaneSampler:
         """Item bytes this sampler's current plane moved: read from the segment (shm, rdma) or received in
         Sample answers (inline, headers included); what ``columns=`` narrows."""
         plane = self._plane
-        return int(getattr(plane, "bytes_read", getattr(plane, "bytes_received", 0))) if plane is not None else 0
+        return plane.bytes_moved if plane is not None else 0
 
     def item_bytes(self) -> int:
         """One item's bytes in the table's segment (negotiating first if need be); 0 when the plane has no

@@ -189,7 +189,7 @@ class ShmPlane:
         self.session = session
         self.device = device
         self.columns = columns  # read only these columns (None: all)
-        self.bytes_read = 0  # bytes copied out of the segment
+        self.bytes_moved = 0  # bytes copied out of the segment
         self._gpu = is_gpu_device(device)
         if self._gpu:
             import gear_kernels
@@ -241,14 +241,14 @@ class ShmPlane:
 
         if self._gpu:
             columns, event = self._gather_gpu(layout, selection.slots, lengths, windows)
-            self.bytes_read += int(sum(int(bounds[1][:, c].sum()) * col.step_bytes
+            self.bytes_moved += int(sum(int(bounds[1][:, c].sum()) * col.step_bytes
                                        for c, col in enumerate(layout.columns)))
             return Pending(lambda: (event.synchronize(), done(columns))[1])  # waits for this batch alone
         batch = BatchLayout.build(layout, n, window_steps(windows))
         out = self._pool.get(batch.nbytes)
 
         def copy() -> SampledBatch:  # plans what it copies by range
-            self.bytes_read += gather_numpy(self.mapping, selection.slots, bounds, None, batch, out, layout)
+            self.bytes_moved += gather_numpy(self.mapping, selection.slots, bounds, None, batch, out, layout)
             return done(column_arrays(out, layout, batch, n))
 
         if self._worker is None or batch.nbytes < WORKER_MIN_BYTES:
