@@ -256,14 +256,30 @@ class Client:
 
     # ------------------------------------------------------------------ samples
     def sample(self, table: str, num_samples: int = 1, *, emit_timesteps: bool = True,
-               unpack_as_table_signature: bool = False
+               unpack_as_table_signature: bool = False, columns: Any = None
                ) -> Generator[list[ReplaySample] | ReplaySample, None, None]:
         """Sample ``num_samples`` items from ``table``: a generator, blocking while the rate limiter says so.
 
         Yields, per item, a ReplaySample of the whole trajectory (``emit_timesteps=False``;
         data flat, or unpacked as the table signature) or a list of one ReplaySample
         per step (``emit_timesteps=True``).
+
+        Args:
+          table: the table's name.
+          num_samples: how many items.
+          emit_timesteps: one ReplaySample per step (True) or per trajectory.
+          unpack_as_table_signature: data as the table's structure instead of a flat list.
+          columns: gear only: fetch only these fields (paths such as "obs" or "obs/rgb", a list of
+            them, or a nest of the wanted fields); data then holds only them, in the table's order
+            (unpacked: the table's structure pruned to them). Takes a data-plane session of its own.
+
+        Raises:
+          ValueError: a path in ``columns`` names no field (nothing is sampled).
         """
+        if columns is not None:
+            yield from self._sample_columns(table, int(num_samples), columns, emit_timesteps,
+                                            unpack_as_table_signature)
+            return
         structure = None
         if unpack_as_table_signature:
             structure = self._signature_structure(table)
@@ -315,6 +331,21 @@ class Client:
                 raise self._error(e, "sample") from e
             finally:
                 call.cancel()
+
+    def _sample_columns(self, table: str, num_samples: int, columns: Any, emit_timesteps: bool,
+                        unpack: bool) -> Generator[list[ReplaySample] | ReplaySample, None, None]:
+        """``sample`` of some fields only: a PlaneSampler with ``columns=`` over the best plane (inline too)."""
+        from gear_client.data_planes.sampler import PlaneSampler
+
+        per_call = 1 if sampling_takes(self._table_info(table)) else _PLANE_ITEMS_PER_SELECT
+        with PlaneSampler(self, table, planes=(*self._data_planes, "inline"), columns=columns) as sampler:
+            remaining = num_samples
+            while remaining > 0:
+                batch = sampler.sample(min(remaining, per_call))
+                remaining -= len(batch)
+                structure = batch.structure if unpack else None
+                for i, info in enumerate(batch.item_infos()):
+                    yield emit_sample(info, batch.item_columns(i), structure, emit_timesteps)
 
     def _data_plane(self, table: str):
         """A PlaneSampler when this learner reaches the table over shm or rdma; None: sample inline.

@@ -149,3 +149,18 @@ def test_shm_into_gpu_memory_gathers_only_the_wanted_columns(daemon):
     for i, key in enumerate(batch.keys.tolist()):
         item = make_item(int(key), T, D)
         assert np.array_equal(got["obs"][i], item["obs"]) and np.array_equal(got["reward"][i], item["reward"])
+
+
+@pytest.mark.parametrize("planes", [None, []], ids=["shm", "inline"])
+def test_client_sample_with_columns(daemon, planes):
+    client = reverb.Client(daemon.address(), data_planes=planes)
+    samples = list(client.sample("t", 5, emit_timesteps=False, unpack_as_table_signature=True,
+                                 columns=["obs"]))
+    assert len(samples) == 5
+    for sample in samples:
+        assert sorted(sample.data) == ["obs"]
+        assert np.array_equal(sample.data["obs"], make_item(int(sample.info.key), T, D)["obs"])
+    flat = next(client.sample("t", 1, emit_timesteps=False, columns="reward"))
+    assert len(flat.data) == 1 and flat.data[0].shape == (T,)
+    with pytest.raises(ValueError, match="unknown field path 'nope'"):
+        next(client.sample("t", 1, columns="nope"))
