@@ -146,10 +146,12 @@ class GroupRegistry:
             return sum(len(g.steps) for g in self._groups.values())
 
     # ------------------------------------------------------------ steps
-    def begin(self, group: SelectionGroup, step: int, asked: int) -> tuple[GroupStep, bool]:
-        """Step ``step`` of ``group`` and whether the caller makes its selection (then ``made`` or ``failed``).
+    def begin(self, group: SelectionGroup, step: int, asked: int) -> tuple[GroupStep, bool, list[Any]]:
+        """Step ``step`` of ``group``, whether the caller makes its selection (then ``made`` or ``failed``),
+        and the selections of steps this dropped (too many pending: ``release`` them, off the event loop).
 
-        StepGone if it was dropped or fully taken; ValueError if ranks disagree on its size.
+        StepGone if it was dropped or fully taken; ValueError if ranks disagree on its size. Takes no
+        table lock: the event loop calls it.
         """
         with self._lock:
             why = group.ended.get(step)
@@ -160,12 +162,19 @@ class GroupRegistry:
                 if pending.asked != asked:
                     raise ValueError(f"step {step} of selection group '{group.group_id}' holds {pending.asked} "
                                      f"picks; this rank asked for a step of {asked}")
-                return pending, False
+                return pending, False, []
             pending = group.steps[step] = GroupStep(step, asked, self._clock())
+            dropped: list[Any] = []
             while len(group.steps) > self.max_pending_steps:
                 _, oldest = next(iter(group.steps.items()))
-                self._drop(group, oldest, f"more than {self.max_pending_steps} steps were pending")
-            return pending, True
+                self._drop(group, oldest, f"more than {self.max_pending_steps} steps were pending", dropped)
+            return pending, True, dropped
+
+    @staticmethod
+    def release(table: Any, selections: list[Any]) -> None:
+        """Release the untaken picks of dropped steps (``begin``'s third answer; takes the table's lock)."""
+        for selection in selections:
+            _release_all(table, selection)
 
     def made(self, group: SelectionGroup, step: GroupStep, selection: Any) -> None:
         """The creator's selection for ``step``; released at once if the step was dropped meanwhile."""
@@ -226,13 +235,16 @@ class GroupRegistry:
                         dropped += 1
         return dropped
 
-    def _drop(self, group: SelectionGroup, step: GroupStep, why: str) -> None:
-        """Forget a step and release its untaken picks (lock held); a step still being made is released by
-        ``made``."""
+    def _drop(self, group: SelectionGroup, step: GroupStep, why: str, later: list[Any] | None = None) -> None:
+        """Forget a step and release its untaken picks, now or, with ``later``, by the caller (lock held);
+        a step still being made is released by ``made``."""
         group.steps.pop(step.step, None)
         group.end(step.step, why)
         if step.ready.done() and step.ready.exception() is None:
-            _release_all(group.table, step.ready.result())
+            if later is None:
+                _release_all(group.table, step.ready.result())
+            else:
+                later.append(step.ready.result())
 
 
 def _release_all(table: Any, selection: Any) -> None:

@@ -306,7 +306,11 @@ class DataPlaneManager:
         if asked > MAX_SELECT:
             raise ValueError(f"a step of {asked} picks is more than {MAX_SELECT}")
         while True:
-            step, makes = self.groups.begin(group, int(request.group_step), asked)
+            # begin, made and claim run here, never awaited: a call cancelled at an await between them would
+            # leave a step nobody makes or picks no lease holds (each takes the table's lock only briefly)
+            step, makes, dropped = self.groups.begin(group, int(request.group_step), asked)
+            if dropped:
+                calls.executor.submit(self.groups.release, session.table, dropped)
             if makes:
                 try:
                     selection = await calls.sample(session.table, asked, timeout, by_reference=True,
