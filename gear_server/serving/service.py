@@ -202,7 +202,7 @@ class ReplayService:
             except Exception as e:  # noqa: BLE001
                 await abort_for(context, e)
             selected = time.perf_counter()
-            messages = await self.calls.run(_encode_and_release, table, selection)
+            messages = await self.calls.run(_encode_and_release, table, selection, list(request.columns))
             if not isinstance(messages, list):
                 await abort_for(context, messages)
             remaining -= len(selection)
