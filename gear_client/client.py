@@ -338,7 +338,8 @@ class Client:
         from gear_client.data_planes.sampler import PlaneSampler
 
         per_call = 1 if sampling_takes(self._table_info(table)) else _PLANE_ITEMS_PER_SELECT
-        with PlaneSampler(self, table, planes=(*self._data_planes, "inline"), columns=columns) as sampler:
+        with PlaneSampler(self, table, planes=(*self._data_planes, "inline"), columns=columns,
+                          from_torch=False) as sampler:
             remaining = num_samples
             while remaining > 0:
                 batch = sampler.sample(min(remaining, per_call))
@@ -359,7 +360,7 @@ class Client:
                 return self._planes[table]
         from gear_client.data_planes.sampler import PlaneSampler
 
-        sampler = PlaneSampler(self, table, planes=self._data_planes)
+        sampler = PlaneSampler(self, table, planes=self._data_planes, from_torch=False)  # Reverb's: on its own
         try:
             sampler.open()
         except errors.ConnectError:  # the daemon is away or refuses the token: inline would fail the same way

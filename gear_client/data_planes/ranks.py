@@ -34,14 +34,16 @@ def torch_ranks() -> tuple[int, int] | None:
 
 
 def selection_group(table: str, *, rank: int | None = None, world_size: int | None = None,
-                    seed: int | None = None, group_id: str | None = None) -> pb.SelectionGroup | None:
+                    seed: int | None = None, group_id: str | None = None,
+                    from_torch: bool = True) -> pb.SelectionGroup | None:
     """The SelectionGroup a sampler opens its session with; None for a sampler on its own (no seed, world 1).
 
     ``seed`` None: ranks of a world > 1 take one derived from the group id. ``group_id`` None: a world 1 sampler
     gets a group of its own; ranks of a world > 1 share ``torch:<MASTER_ADDR>:<MASTER_PORT>`` under
-    torch.distributed, else a name made of the table, world size and seed.
+    torch.distributed, else a name made of the table, world size and seed. ``from_torch`` False: never
+    from torch.distributed (Client.sample, Reverb's API, samples on its own as Reverb's does).
     """
-    if rank is None and world_size is None:
+    if rank is None and world_size is None and from_torch:
         found = torch_ranks()
         if found is not None:
             rank, world_size = found

@@ -107,14 +107,16 @@ class PlaneSampler:
                  num_qps: int | None = None, metadata=None, host_id: str | None = None,
                  max_stale_retries: int = MAX_STALE_RETRIES, rdma_connection=None, columns: Any = None,
                  rank: int | None = None, world_size: int | None = None, seed: int | None = None,
-                 group_id: str | None = None):
+                 group_id: str | None = None, from_torch: bool = True):
         """``columns``: only these fields move (paths like "obs/rgb", or a nest of the wanted fields;
         gear_contract.projection). ``rank``/``world_size`` (default: torch.distributed's when it is initialised),
         ``seed`` and ``group_id``: this sampler is rank ``rank`` of a data-parallel group that shares one
         selection per step (gear_client.data_planes.ranks); a seed alone makes a world 1 sampler's selections
-        reproducible for a given table state."""
+        reproducible for a given table state. ``from_torch`` False: rank and world size never come from
+        torch.distributed (Reverb-facing samplers)."""
         self.table = table
-        self.group = selection_group(table, rank=rank, world_size=world_size, seed=seed, group_id=group_id)
+        self.group = selection_group(table, rank=rank, world_size=world_size, seed=seed, group_id=group_id,
+                                     from_torch=from_torch)
         self.step = 0  # the group's next step this rank takes a slice of
         self.metadata = metadata
         self.max_stale_retries = max_stale_retries

@@ -181,7 +181,7 @@ class ShardedClient:
                 seed = None if self._seed is None else self._seed + 1 + len(self._samplers)
                 planes = ("inline", *self.shard_set.shards[0].client._data_planes)  # the shard clients' choice
                 sampler = self._samplers[table] = ShardedSampler(self.shard_set, table, planes=planes, seed=seed,
-                                                                 host_id=self.host_id)
+                                                                 host_id=self.host_id, from_torch=False)
             return sampler
 
     def sample(self, table: str, num_samples: int = 1, *, emit_timesteps: bool = True,

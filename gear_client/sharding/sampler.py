@@ -90,7 +90,8 @@ class ShardedSampler:
         changes of the masses that late; reported probabilities stay exact for the sampled shards).
 
         ``rank``/``world_size``/``group_id`` in ``plane_options`` (or an initialised torch.distributed): this
-        sampler is a rank of a selection group (``sample_grouped``); ``seed`` is then the group's."""
+        sampler is a rank of a selection group (``sample_grouped``); ``seed`` is then the group's.
+        ``from_torch`` (in ``plane_options``) False: never a rank from torch.distributed alone."""
         self.shards = shards
         self.table = table
         self.planes = planes
@@ -99,10 +100,13 @@ class ShardedSampler:
         self._owns_shards = owns_shards
         self._rng = np.random.default_rng(seed)
         self.group = None
-        if any(plane_options.get(k) is not None for k in ("rank", "world_size", "group_id")) or torch_ranks():
+        from_torch = plane_options.pop("from_torch", True)
+        plane_options["from_torch"] = False  # the shards' samplers: a group only as this sampler's
+        if any(plane_options.get(k) is not None for k in ("rank", "world_size", "group_id")) or (
+                from_torch and torch_ranks()):
             self.group = selection_group(table, rank=plane_options.pop("rank", None),
                                          world_size=plane_options.pop("world_size", None), seed=seed,
-                                         group_id=plane_options.pop("group_id", None))
+                                         group_id=plane_options.pop("group_id", None), from_torch=from_torch)
             if self.group is not None:  # every shard's sampler joins the group on its daemon
                 plane_options.update(rank=self.group.rank, world_size=self.group.world_size, seed=self.group.seed,
                                      group_id=self.group.group_id)

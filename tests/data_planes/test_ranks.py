@@ -222,7 +222,7 @@ def test_a_rank_waiting_for_a_step_whose_maker_left_makes_it_itself():
         d.stop()
 
 
-def test_rank_and_world_size_are_read_from_an_initialised_torch_distributed(monkeypatch):
+def test_rank_and_world_size_are_read_from_an_initialised_torch_distributed(monkeypatch, daemon):
     """How the rank is looked up (torch itself is not installed here: a module with torch.distributed's
     four functions stands in; the default venv must never import torch)."""
     import types
@@ -237,6 +237,11 @@ def test_rank_and_world_size_are_read_from_an_initialised_torch_distributed(monk
     group = selection_group("t", seed=3)
     assert (group.rank, group.world_size, group.seed, group.group_id) == (1, 4, 3, "torch:10.0.0.1:29500")
     assert selection_group("t", rank=0, world_size=2, seed=3).world_size == 2  # given arguments win
+    with PlaneSampler(daemon.address(), "u") as dataset_sampler:
+        assert dataset_sampler.group.world_size == 4  # what the datasets use
+    client = reverb.Client(daemon.address())
+    next(client.sample("u", 1))
+    assert client._planes["u"].group is None  # Reverb's API samples on its own, as Reverb's does
     dist.is_initialized = lambda: False
     assert selection_group("t") is None  # not initialised: a learner on its own, as in Reverb
 
