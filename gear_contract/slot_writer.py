@@ -26,6 +26,12 @@ the daemon's interpreter. One ``SlotWriter`` owns one ``InsertPlane`` stream
   and it allocated the whole capacity of a sparse segment (tmpfs allocates
   pages on read faults), where the daemon allocates rows as slots fill. Older
   kernels populate segments up to ``POPULATE_MAX_BYTES`` whole at map time;
+* a writer never waits for ever: while it waits on the daemon, a ``DaemonWatch``
+  (gear_contract/daemon_watch.py) probes it, and once neither the stream nor a
+  probe got an answer for ``answer_timeout`` (the client's connect timeout) the
+  stream fails with ``DaemonNotAnswering`` naming the address, its items left
+  uncommitted (a daemon that holds commits back on its rate limiter still
+  answers the probes, and is waited for);
 * ``fits`` says whether an item can take this path: the table has a layout
   and the item has its structure, dtypes, step shapes and fits a slot.
   Anything else goes over InsertStream (a table still learning its layout, a
@@ -53,6 +59,7 @@ import grpc
 import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.daemon_watch import DaemonNotAnswering, DaemonWatch
 from gear_contract.layout import TableLayout
 from gear_contract.negotiation import local_host_id
 
@@ -63,6 +70,8 @@ MAX_COMMIT_BATCH = 256
 POPULATE_MAX_BYTES = 8 << 30
 MADV_POPULATE_READ = 22  # Linux 5.14+; a read populate maps shared-memory pages writable (no write notification)
 PAGE = mmap.PAGESIZE
+# A thread waiting on the daemon looks at the watch this often.
+_POLL_S = 0.25
 
 
 class InsertPlaneUnavailable(RuntimeError):
@@ -237,12 +246,15 @@ class SlotWriter:
     """One InsertPlane stream (see the module docstring). Thread safe for one writing thread."""
 
     def __init__(self, channel: grpc.Channel, *, reserve_ahead: int = DEFAULT_RESERVE_AHEAD,
-                 open_timeout: float | None = 30.0, metadata: Sequence[tuple[str, str]] | None = None):
+                 open_timeout: float | None = 30.0, metadata: Sequence[tuple[str, str]] | None = None,
+                 answer_timeout: float | None = 30.0, address: str = "the daemon"):
+        """``answer_timeout``: seconds without any answer from the daemon (stream or probe) before the stream
+        fails with DaemonNotAnswering (None: wait for ever); ``address`` names the daemon in messages."""
         self._reserve_ahead = max(1, int(reserve_ahead))
         self._cond = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
-        self._sent: deque = deque()  # (request id, kind, payload) in send order: answered in order
+        self._sent: deque = deque()  # (request id, kind, payload, sent at) in send order: answered in order
         self._tables: dict[str, _Table] = {}
         self._commits: deque[_Commit] = deque()  # queued, not sent
         self._commit_in_flight: _Commit | None = None
@@ -254,6 +266,9 @@ class SlotWriter:
         self._max_reservations = 1 << 30
         self._opened = threading.Event()
         self._answered = 0  # id of the last answered request
+        self._answered_at = time.monotonic()
+        self.address = address
+        self._watch = DaemonWatch(channel, answer_timeout, metadata)
         self._to_populate: list[tuple[SegmentWriterMapping, list[int]]] = []  # reader thread's, outside the lock
         call = channel.stream_stream(INSERT_PLANE_METHOD, request_serializer=pb.InsertPlaneRequest.SerializeToString,
                                      response_deserializer=pb.InsertPlaneResponse.FromString)
@@ -283,7 +298,7 @@ class SlotWriter:
     def _send(self, request: pb.InsertPlaneRequest, kind: str, payload: object) -> None:
         """Queue a request (lock held or not: the queue orders it; ``_sent`` mirrors the order)."""
         request.request_id = next(self._ids)
-        self._sent.append((request.request_id, kind, payload))
+        self._sent.append((request.request_id, kind, payload, time.monotonic()))
         self._queue.put(request)
 
     def _read(self) -> None:
@@ -291,10 +306,11 @@ class SlotWriter:
         try:
             for response in self._call:
                 with self._cond:
-                    request_id, kind, payload = self._sent.popleft()
+                    request_id, kind, payload, _ = self._sent.popleft()
                     if response.request_id != request_id:
                         raise RuntimeError(f"insert plane answer {response.request_id} for request {request_id}")
                     self._answered = request_id
+                    self._answered_at = time.monotonic()
                     if kind == "open":
                         self._timeout_s = response.opened.reservation_timeout_ms / 1000.0
                         self._max_reservations = response.opened.max_reservations
@@ -321,6 +337,21 @@ class SlotWriter:
                 self.done = True
                 self._opened.set()
                 self._cond.notify_all()
+            self._watch.close()
+
+    def _await_answer(self, deadline: float | None = None) -> None:
+        """Wait (lock held) for the daemon's next answer, at most until ``deadline``; when the daemon has
+        answered nothing for the answer timeout, fail the stream instead (``error``, and the call cancelled)."""
+        if self._sent and self.error is None and self._watch.away(max(self._answered_at, self._sent[0][3])):
+            self.error = DaemonNotAnswering(
+                f"the daemon at {self.address} answered nothing for {self._watch.timeout_s:g} s (neither the "
+                f"insert plane's stream nor a ServerInfo call); {len(self.pending)} items not committed", self.address)
+            self._queue.put(None)
+            self._call.cancel()
+            self._cond.notify_all()
+            return
+        timeout = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+        self._cond.wait(timeout)
 
     # ------------------------------------------------------------------ layouts and reservations
     def _adopt(self, state: _Table, layout_msg: pb.TableLayout) -> bool:
@@ -430,8 +461,8 @@ class SlotWriter:
                 state = self._tables[table] = _Table(table)
             if state.mapping is None:  # learn the layout first (one round trip)
                 self._maybe_reserve(state)
-                while state.reserving and not self.done:
-                    self._cond.wait()
+                while state.reserving and not self.done and self.error is None:
+                    self._await_answer()
                 self._raise_error()
                 if state.mapping is None:
                     return False
@@ -458,8 +489,8 @@ class SlotWriter:
         state.pool.clear()
         self._send(pb.InsertPlaneRequest(cancel=pb.CancelSlots(table=state.name, slots=slots)), "cancel", None)
         request_id = self._sent[-1][0]
-        while wait and not self.done and self._answered < request_id:
-            self._cond.wait()
+        while wait and not self.done and self.error is None and self._answered < request_id:
+            self._await_answer()
 
     def write(self, table: str, key: int, priority: float, columns: Sequence[Sequence[np.ndarray]],
               lengths: Sequence[int], episode_ids: Sequence[int] = (), timeout: float | None = None) -> None:
@@ -481,7 +512,7 @@ class SlotWriter:
                     break
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"no slot of table '{table}' reserved within {timeout} s")
-                self._cond.wait(None if deadline is None else deadline - now)
+                self._await_answer(deadline)
             slot = state.pool.popleft()[0]
             mapping = state.mapping
             self._maybe_reserve(state)
@@ -525,10 +556,9 @@ class SlotWriter:
             while len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
                 if self.done or self.error is not None:
                     return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if deadline is not None and deadline <= time.monotonic():
                     return False
-                self._cond.wait(remaining)
+                self._await_answer(deadline)
             return True
 
     def _raise_error(self) -> None:
@@ -558,3 +588,4 @@ class SlotWriter:
         """End the stream at once (its reservations are given back by the daemon)."""
         self._queue.put(None)
         self._call.cancel()
+        self._watch.close()

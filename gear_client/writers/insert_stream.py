@@ -16,6 +16,12 @@ resends the chunks and the unacknowledged items (same keys; an item the
 daemon already holds is not inserted twice), then carries on. Items still
 unacknowledged after ``reconnect_timeout_s`` without a daemon are given up:
 the writer's next call raises ``ItemsNotInsertedError`` naming their keys.
+A call that never ends although its daemon answers nothing (a daemon stopped
+or wedged, a host cut off: no error comes) is told from a daemon that holds
+inserts back on its rate limiter by a ``DaemonWatch`` (ServerInfo probes while
+a writer waits): once neither acknowledgements nor probes came for
+``reconnect_timeout_s``, the call is cancelled and its items are given up the
+same way.
 Any other status is the writer's next call's error, as in Reverb.
 """
 
@@ -35,9 +41,10 @@ from gear_client.writers.chunker import NewChunk
 from gear_client.writers.routes import ingest_channel
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.allocator import tune_allocator
+from gear_contract.daemon_watch import DaemonWatch
 from gear_contract.wire import encode_release_keys, mark_resend
 
-__all__ = ["InsertStream", "close_stream"]
+__all__ = ["InsertStream", "close_stream", "describe_error"]
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +70,8 @@ class _Pending(NamedTuple):
     created_at: float  # time.monotonic() when the writer handed it over
 
 
-def _open_insert_stream(client: Any, channel: grpc.Channel | None = None) -> tuple[Any, bool]:
-    """The InsertStream multicallable, and whether it takes encoded bytes.
+def _open_insert_stream(client: Any, channel: grpc.Channel | None = None) -> tuple[Any, bool, grpc.Channel | None]:
+    """The InsertStream multicallable, whether it takes encoded bytes, and the channel it goes on.
 
     On ``channel`` (an ingest worker's) or the client's channel the writer sends its hand-encoded
     bytes as they are; through the stub (no channel) they are parsed into a message first.
@@ -72,8 +79,9 @@ def _open_insert_stream(client: Any, channel: grpc.Channel | None = None) -> tup
     channel = channel or getattr(client, "_channel", None)
     if isinstance(channel, grpc.Channel):
         return channel.stream_stream(_INSERT_STREAM_METHOD, request_serializer=None,
-                                     response_deserializer=pb.InsertStreamResponse.FromString), True
-    return client._stub.InsertStream, False
+                                     response_deserializer=pb.InsertStreamResponse.FromString), True, channel
+    stub = client._stub
+    return stub.InsertStream, False, getattr(client, "_channel", None)
 
 
 class InsertStream:
@@ -90,7 +98,11 @@ class InsertStream:
         # the writer reconnects to the daemon itself: a restarted daemon's workers listen on other ports.
         self._client = client
         self._ingest_channel = ingest_channel(client)
-        self._open_call, self._raw = _open_insert_stream(client, self._ingest_channel)
+        self._open_call, self._raw, channel = _open_insert_stream(client, self._ingest_channel)
+        self._watch = self._watch_for(channel)
+        self._last_ack_at = time.monotonic()
+        self._silent_call: Any = None  # the call cancelled because its daemon answered nothing
+        self._resent = 0  # items the current call resent after an outage (logged at its first acknowledgement)
         self._calls_opened = 0
         self.address = str(getattr(client, "server_address", "the daemon"))  # for messages
         self.pending: dict[int, _Pending] = {}  # item key -> what a new call would resend, in send order
@@ -262,7 +274,8 @@ class InsertStream:
                         if self._outage_since is None:
                             self._outage_since = time.monotonic()
                             log.warning("insert stream to %s lost (%s); %d items unacknowledged: reconnecting, "
-                                        "then resending them", self.address, _describe(error), len(self.pending))
+                                        "then resending them", self.address, describe_error(error),
+                                        len(self.pending))
                     else:
                         self._fail_call_locked(error)
                         while not self._wanted and not self._closing:
@@ -275,9 +288,6 @@ class InsertStream:
                     if self._closing:
                         return
                     call, requests = self._open_locked()
-                    resent = len(self.pending)
-                if resent:
-                    log.info("insert stream to %s reopened: %d items resent", self.address, resent)
         finally:
             with self._cond:
                 self.done = True
@@ -309,9 +319,13 @@ class InsertStream:
         # Fail-fast: a call to a daemon that is away fails at once, before it sends anything, and the
         # thread tries again; so nothing queued here goes out after its items were given up.
         if self._calls_opened and self._ingest_channel is not None:
-            self._open_call, self._raw = _open_insert_stream(self._client)
+            self._open_call, self._raw, channel = _open_insert_stream(self._client)
             self._ingest_channel.close()
             self._ingest_channel = None
+            if self._watch is not None:
+                self._watch.close()
+            self._watch = self._watch_for(channel)
+        self._resent = len(self.pending) if self._outage_since is not None else 0
         self._calls_opened += 1
         call = self._open_call(self._requests(requests), wait_for_ready=False)
         self._call = call
@@ -331,6 +345,10 @@ class InsertStream:
                         entry = pending.pop(key, None)
                         if entry is not None:
                             self.in_flight_bytes -= entry.nbytes
+                    self._last_ack_at = time.monotonic()
+                    if self._outage_since is not None:
+                        log.info("insert stream to %s back after %.1f s; %d unacknowledged items resent",
+                                 self.address, self._last_ack_at - self._outage_since, self._resent)
                     self._outage_since = None
                     self._drop_released_locked()
                     self._cond.notify_all()
@@ -344,6 +362,29 @@ class InsertStream:
         released = self._released
         while released and released[0][0] <= oldest:
             self._chunks.pop(released.popleft()[1], None)
+
+    def _watch_for(self, channel: grpc.Channel | None) -> DaemonWatch | None:
+        """A watch of the daemon behind ``channel`` bounded by the reconnect timeout (None: no channel to probe)."""
+        if not isinstance(channel, grpc.Channel):
+            return None
+        return DaemonWatch(channel, self._reconnect_timeout_s)
+
+    def _check_answers_locked(self) -> None:
+        """Cancel the call when its daemon answered nothing (acknowledgements or probes) for the reconnect
+        timeout while items wait; the call's thread then gives up the items that are due (see ``_expire_locked``)."""
+        call = self._call
+        if not self._in_call or not self.pending or self._watch is None or call is None or call is self._silent_call:
+            return
+        quiet_since = max(self._last_ack_at, next(iter(self.pending.values())).created_at)
+        if not self._watch.away(quiet_since):
+            return
+        if self._outage_since is None:
+            self._outage_since = quiet_since
+        log.warning("insert stream to %s: the daemon answered nothing for %g s (neither acknowledgements nor "
+                    "ServerInfo calls); giving up %d unacknowledged items", self.address, self._reconnect_timeout_s,
+                    len(self.pending))
+        self._silent_call = call  # cancelled once; its thread ends it, then gives the due items up
+        call.cancel()
 
     def _fail_call_locked(self, error: BaseException) -> None:
         """A non-transient end: the writer's next call raises it; its unacknowledged items are lost."""
@@ -399,6 +440,7 @@ class InsertStream:
     def take_failure(self) -> tuple[BaseException | None, int, list[int]]:
         """(the non-transient error, items it lost, keys given up) since the last call; clears them."""
         with self._cond:
+            self._check_answers_locked()
             self._expire_locked()
             error, lost, failed = self.error, self.lost, self.failed_keys
             self.error, self.lost, self.failed_keys = None, 0, []
@@ -418,6 +460,7 @@ class InsertStream:
             while len(self.pending) > max_items or (self.pending and self.in_flight_bytes > max_bytes):
                 if self.done or self.error is not None or self.failed_keys:
                     return True
+                self._check_answers_locked()
                 self._expire_locked()
                 if self.failed_keys:
                     return True
@@ -470,8 +513,9 @@ class InsertStream:
             self._ingest_channel.close()
 
 
-def _describe(error: BaseException | None) -> str:
-    if isinstance(error, grpc.RpcError):
+def describe_error(error: BaseException | None) -> str:
+    """A failed call in words for a log line: its status and details, not gRPC's object dump."""
+    if isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None)):
         return f"{error.code().name}: {error.details()}"
     return "the daemon ended the stream" if error is None else str(error)
 

@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from gear_client.connection.auth import ChannelSecurity
+from gear_client.connection.channel import DEFAULT_CONNECT_TIMEOUT_S
 from gear_client.errors import ReverbError
 from gear_client.writers.trajectory_column import TrajectoryColumn
 from gear_contract._proto import replay_pb2 as pb
@@ -63,15 +64,18 @@ def _is_client(client: Any) -> bool:
 def open_slot_writer(client: Any, timeout: float | None = None) -> SlotWriter | None:
     """A SlotWriter for this client's daemon when it runs on this host and allows it; None when the plane
     does not apply (another host, turned off, no access to the segments). Raises (ReverbError, RpcError)
-    when the daemon does not answer within ``timeout`` (None: the client's connect timeout)."""
+    when the daemon does not answer within ``timeout`` (None: the client's connect timeout). The writer's
+    waits on the daemon are bounded by the client's connect timeout (DaemonNotAnswering past it)."""
     if not _enabled(ENV_INSERT_PLANE) or not _is_client(client):
         return None
     info = client._fetch_server_info(timeout=timeout)
     if not info.host_id or info.host_id != local_host_id():
         return None
     channel, _, _ = client._connect()
+    connect_timeout = getattr(client, "_connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
     try:
-        return SlotWriter(channel, open_timeout=30.0 if timeout is None else timeout)
+        return SlotWriter(channel, open_timeout=connect_timeout if timeout is None else timeout,
+                          answer_timeout=connect_timeout, address=client.server_address)
     except (SegmentGone, OpenTimedOut):
         raise
     except InsertPlaneUnavailable as e:

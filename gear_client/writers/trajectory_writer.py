@@ -36,12 +36,13 @@ from gear_client.errors import (
 )
 from gear_client.writers.chunker import Chunker, NewChunk
 from gear_client.writers.column_buffer import ColumnBuffer
-from gear_client.writers.insert_stream import InsertStream, close_stream
+from gear_client.writers.insert_stream import InsertStream, close_stream, describe_error
 from gear_client.writers.routes import SameHostRoute
 from gear_client.writers.step_layout import StepLayout
 from gear_client.writers.trajectory_column import DataReference, StepCount, TrajectoryColumn
 from gear_contract import nest
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.daemon_watch import DaemonNotAnswering
 from gear_contract.specs import shape_compatible, signature_specs
 from gear_contract.wire import encode_chunk_head, encode_insert_item, mark_resend
 
@@ -388,10 +389,15 @@ class TrajectoryWriter:
         if isinstance(error, grpc.RpcError) and error.code() not in (grpc.StatusCode.UNAVAILABLE,
                                                                       grpc.StatusCode.CANCELLED):
             raise from_rpc_error(error, operation) from error
+        if isinstance(error, DaemonNotAnswering):  # silent for the whole connect timeout: give the items up
+            keys = [item.key for item in items]
+            log.warning("%s: %s; %d items given up", operation, error, len(keys))
+            raise ItemsNotInsertedError(f"{operation}: {len(keys)} items were not acknowledged: {error}"
+                                        f"{_keys_text(keys)}", keys) from error
         if not items:
             return
         log.warning("insert plane to %s lost (%s): %d items it had not committed go over InsertStream",
-                    self._client.server_address, error, len(items))
+                    self._client.server_address, describe_error(error), len(items))
         stream = self._ready_stream(operation)
         for item in items:
             chunks: list[NewChunk] = []
@@ -438,11 +444,10 @@ class TrajectoryWriter:
             return
         error, lost, failed = stream.take_failure()
         if failed:
-            shown = ", ".join(str(k) for k in failed[:8]) + (", ..." if len(failed) > 8 else "")
             raise ItemsNotInsertedError(
                 f"{operation}: {len(failed)} items were not inserted: the daemon at "
                 f"{stream.address} was unreachable for {self._reconnect_timeout_s:g} s "
-                f"(reconnect_timeout_s, by default the client's connect_timeout); keys: {shown}", failed)
+                f"(reconnect_timeout_s, by default the client's connect_timeout){_keys_text(failed)}", failed)
         if error is None:
             return
         if isinstance(error, grpc.RpcError):
@@ -472,6 +477,13 @@ def _signature_problem(table: str, info: pb.TableInfo, specs: list[tuple[np.dtyp
             return (f"Unable to create item in table '{table}': {label} has dtype {dtype} and shape {list(shape)} "
                     f"but the table signature expects dtype {spec.dtype} and shape {list(spec.shape)}")
     return None
+
+
+def _keys_text(keys: Sequence[int]) -> str:
+    """'; keys: k1, k2, ...' (the first eight) for an error message; empty for none."""
+    if not keys:
+        return ""
+    return "; keys: " + ", ".join(str(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
 
 
 def _reconnect_timeout(value: float | None, client: Any) -> float:
