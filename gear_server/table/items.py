@@ -313,6 +313,32 @@ def structure_mismatch(prep: PreparedItem, structure: pb.Structure) -> str | Non
             f" (leaves {leaf_paths(prep.structure)} vs {leaf_paths(structure)})")
 
 
+def unknown_key(got: pb.Structure, want: pb.Structure, prefix: str = "",
+                depth: int = 0) -> tuple[str, list[str]] | None:
+    """The first key of ``got`` (as a '/'-joined path) where ``want`` names its children without it, with
+    ``want``'s keys at that place; None when every such key is known. Only places where both name their
+    children are compared (a list against a dict, or a leaf against a nest, is the flattened leaves' business)."""
+    named = (pb.Structure.DICT, pb.Structure.NAMEDTUPLE)
+    sequences = (pb.Structure.LIST, pb.Structure.TUPLE)
+    if depth > MAX_STRUCTURE_DEPTH:
+        return None
+    if got.kind in named and want.kind in named:
+        wanted = dict(zip(want.keys, want.children, strict=False))
+        for key, child in zip(got.keys, got.children, strict=False):
+            path = f"{prefix}/{key}" if prefix else key
+            if key not in wanted:
+                return path, list(want.keys)
+            found = unknown_key(child, wanted[key], path, depth + 1)
+            if found is not None:
+                return found
+    elif got.kind in sequences and want.kind in sequences and len(got.children) == len(want.children):
+        for i, (child, wanted_child) in enumerate(zip(got.children, want.children, strict=True)):
+            found = unknown_key(child, wanted_child, f"{prefix}/{i}" if prefix else str(i), depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
 @dataclass(frozen=True)
 class SignatureLeaf:
     dtype: np.dtype
@@ -358,8 +384,14 @@ class Signature:
 
         As Reverb, the flattened leaves are compared, not the nest's containers (an item
         ``[x]`` fits a signature ``TensorSpec``), and each leaf may match the spec as the
-        whole trajectory (``[T, *step]``) or as one step (``step``, every step alike).
+        whole trajectory (``[T, *step]``) or as one step (``step``, every step alike). Where both
+        name their children (dicts, namedtuples), the item may use only the signature's keys.
         """
+        unknown = unknown_key(prep.structure, self.structure)
+        if unknown is not None:
+            path, known = unknown
+            raise ValueError(f"item {prep.key}: key '{path}' is not in the table's signature (keys there: "
+                             f"{', '.join(repr(k) for k in known)})")
         if len(prep.specs) != len(self.leaves):
             raise ValueError(f"item {prep.key} has {len(prep.specs)} flattened leaves ({leaf_paths(prep.structure)}) "
                              f"but the signature has {len(self.leaves)} ({self.names()})")
