@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -79,6 +80,7 @@ class Client:
         self._daemon: DaemonChannel | None = None
         self._channel: grpc.Channel | None = None  # the daemon channel's gRPC channel (writers stream on it)
         self._table_infos: dict[str, pb.TableInfo] = {}
+        self._server_info: tuple[float, pb.ServerInfoResponse] | None = None  # (fetched at, response)
         self._planes: dict[str, Any] = {}  # table -> PlaneSampler (shm/rdma) or None (inline)
         if client is not None and client._server_address == server_address:
             # Reverb's "pre-existing client": share its channel.
@@ -169,11 +171,21 @@ class Client:
                 raise ValueError(f'Could not find table "{name}". The following tables exists: {", ".join(known)}.')
         return info
 
-    def _fetch_server_info(self, timeout: float | None) -> pb.ServerInfoResponse:
-        response = self._unary("server_info", lambda stub: stub.ServerInfo, pb.ServerInfoRequest(), timeout)
+    def _fetch_server_info(self, timeout: float | None, operation: str = "server_info") -> pb.ServerInfoResponse:
+        response = self._unary(operation, lambda stub: stub.ServerInfo, pb.ServerInfoRequest(), timeout)
         with self._lock:
             self._table_infos = {t.name: t for t in response.table_info}
+            self._server_info = (time.monotonic(), response)
         return response
+
+    def _recent_server_info(self, max_age_s: float, timeout: float | None) -> pb.ServerInfoResponse:
+        """The daemon's ServerInfo fetched at most ``max_age_s`` ago, else a fresh one (a writer opening
+        its routes right after ``trajectory_writer`` asked does not ask again)."""
+        with self._lock:
+            cached = self._server_info
+        if cached is not None and time.monotonic() - cached[0] <= max_age_s:
+            return cached[1]
+        return self._fetch_server_info(timeout)
 
     # ------------------------------------------------------------------ inserts
     def insert(self, data: Any, priorities: Mapping[str, float]) -> None:
@@ -241,7 +253,7 @@ class Client:
         del get_signature_timeout_ms  # signatures are fetched on demand and cached
         from gear_client.writers.trajectory_writer import TrajectoryWriter
 
-        self._wait_ready("trajectory_writer")
+        self._fetch_server_info(None, "trajectory_writer")  # waits for the daemon; the writer uses the answer
         return TrajectoryWriter(self, num_keep_alive_refs, validate_items=validate_items,
                                 reconnect_timeout_s=reconnect_timeout_s)
 
@@ -251,7 +263,7 @@ class Client:
             raise ValueError("At least one config must be provided.")
         from gear_client.writers.structured_writer import StructuredWriter
 
-        self._wait_ready("structured_writer")
+        self._fetch_server_info(None, "structured_writer")  # waits for the daemon; the writer uses the answer
         return StructuredWriter(self, configs)
 
     # ------------------------------------------------------------------ samples

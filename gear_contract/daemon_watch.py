@@ -5,11 +5,14 @@ table's rate limiter holds its inserts back. It may also wait for ever on a
 daemon that stopped answering without closing the connection (a process
 stopped or wedged, a host cut off the network): nothing ends the stream. A
 ``DaemonWatch`` tells the two apart. A thread that waits on the stream asks
-``away(quiet_since)`` as it polls; once the stream has been silent for a
-moment the watch sends fail-fast ServerInfo probes over the stream's channel
-(futures: the waiter never blocks on one). Any answer, even an error status,
-shows the daemon alive. The daemon counts as away once neither the stream nor
-a probe got an answer for ``timeout_s`` (the client's connect timeout).
+``away(quiet_since)`` as it polls; once the stream has been silent for half
+the timeout the watch sends fail-fast ServerInfo probes over the stream's
+channel (futures: the waiter never blocks on one). Any answer, even an error
+status, shows the daemon alive. The daemon counts as away once neither the
+stream nor a probe got an answer for ``timeout_s`` (the client's connect
+timeout). The streams of one channel share one watch (``DaemonWatch.of``), so
+a thousand writers held back by a rate limiter send one probe at a time, not a
+thousand.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import grpc
@@ -26,8 +30,8 @@ from gear_contract._proto import replay_pb2 as pb
 __all__ = ["DaemonWatch", "DaemonNotAnswering"]
 
 SERVER_INFO_METHOD = "/gear.v1.ReplayService/ServerInfo"
-# Probing starts after this much silence (or the timeout, if shorter); one probe at a time, at most this often.
-PROBE_AFTER_S = 1.0
+# Probing starts after half the timeout of silence (at least this long); one probe at a time, at most this often.
+MIN_PROBE_AFTER_S = 0.5
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 2.0
 _AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -41,16 +45,35 @@ class DaemonNotAnswering(RuntimeError):
         self.address = address
 
 
+_watches_lock = threading.Lock()
+_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> {timeout: DaemonWatch}
+
+
 class DaemonWatch:
     """Probes of one channel's daemon while a stream on it waits (see the module docstring). Thread safe."""
+
+    @classmethod
+    def of(cls, channel: grpc.Channel, timeout_s: float | None,
+           metadata: Sequence[tuple[str, str]] | None = None) -> DaemonWatch:
+        """The watch every stream on ``channel`` with this timeout shares (a new one with ``metadata``)."""
+        if metadata:
+            return cls(channel, timeout_s, metadata)
+        with _watches_lock:
+            try:
+                by_timeout = _watches.setdefault(channel, {})
+            except TypeError:  # a channel without weak references: a watch of its own
+                return cls(channel, timeout_s)
+            watch = by_timeout.get(timeout_s)
+            if watch is None:
+                watch = by_timeout[timeout_s] = cls(channel, timeout_s)
+            return watch
 
     def __init__(self, channel: grpc.Channel, timeout_s: float | None,
                  metadata: Sequence[tuple[str, str]] | None = None):
         """``timeout_s``: seconds of silence after which the daemon is away (None or inf: never)."""
         self.timeout_s = None if timeout_s is None or math.isinf(timeout_s) else float(timeout_s)
         self._metadata = metadata
-        self._call = channel.unary_unary(SERVER_INFO_METHOD, request_serializer=pb.ServerInfoRequest.SerializeToString,
-                                         response_deserializer=None)
+        self._channel = weakref.ref(channel)  # shared watches live beside their channel, not keep it open
         self._lock = threading.RLock()  # a probe that is done at once runs its callback under the lock
         self._probe: grpc.Future | None = None
         self._next_probe = 0.0
@@ -64,20 +87,31 @@ class DaemonWatch:
         if self.timeout_s is None:
             return False
         now = time.monotonic()
-        if now - quiet_since < min(PROBE_AFTER_S, self.timeout_s):
+        if now - quiet_since < max(MIN_PROBE_AFTER_S, self.timeout_s / 2):
             return False
         with self._lock:
             if self._probe is None and now >= self._next_probe:
                 self._next_probe = now + PROBE_INTERVAL_S
+                channel = self._channel()
                 try:
-                    probe = self._call.future(pb.ServerInfoRequest(), timeout=min(PROBE_TIMEOUT_S, self.timeout_s),
-                                              metadata=self._metadata, wait_for_ready=False)
-                except (ValueError, RuntimeError):  # the channel was closed: nothing will answer
+                    call = channel.unary_unary(SERVER_INFO_METHOD, response_deserializer=None,
+                                               request_serializer=pb.ServerInfoRequest.SerializeToString)
+                    probe = call.future(pb.ServerInfoRequest(), timeout=min(PROBE_TIMEOUT_S, self.timeout_s),
+                                        metadata=self._metadata, wait_for_ready=False)
+                except (AttributeError, ValueError, RuntimeError):  # the channel is gone or closed: no answer
                     probe = None
                 if probe is not None:
                     self._probe = probe
                     probe.add_done_callback(lambda done, sent=now: self._probe_done(done, sent))
             return now - max(quiet_since, self._alive_at) >= self.timeout_s
+
+    def recheck_in(self, quiet_since: float) -> float | None:
+        """Seconds until ``away`` may say something new for a stream silent since ``quiet_since`` (None: never):
+        a waiter sleeps that long, so a stream that gets its answers in time costs no wake-ups."""
+        if self.timeout_s is None:
+            return None
+        start = quiet_since + max(MIN_PROBE_AFTER_S, self.timeout_s / 2)
+        return max(start - time.monotonic(), PROBE_INTERVAL_S / 2)
 
     def _probe_done(self, probe: grpc.Future, sent_at: float) -> None:
         answered = not probe.cancelled() and (probe.exception() is None or probe.code() not in _AWAY_CODES)
@@ -86,10 +120,3 @@ class DaemonWatch:
                 self._probe = None
             if answered:
                 self._alive_at = max(self._alive_at, sent_at)
-
-    def close(self) -> None:
-        """Cancel a probe in flight."""
-        with self._lock:
-            probe, self._probe = self._probe, None
-        if probe is not None:
-            probe.cancel()

@@ -18,6 +18,7 @@ falls back to the next plane if it cannot.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
@@ -62,6 +63,12 @@ def local_host_id() -> str:
     pinned = os.environ.get(ENV_HOST_ID)
     if pinned:
         return pinned
+    return _host_digest(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _host_digest(pid: int) -> str:
+    """The digest for process ``pid`` (worked out once per process: a writer asks at every connect)."""
     kernel = _read("/proc/sys/kernel/random/boot_id") or _read("/etc/machine-id")
     text = "|".join((kernel, socket.gethostname(), _namespace("net")))
     return hashlib.sha256(text.encode()).hexdigest()[:32]

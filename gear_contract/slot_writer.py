@@ -70,8 +70,6 @@ MAX_COMMIT_BATCH = 256
 POPULATE_MAX_BYTES = 8 << 30
 MADV_POPULATE_READ = 22  # Linux 5.14+; a read populate maps shared-memory pages writable (no write notification)
 PAGE = mmap.PAGESIZE
-# A thread waiting on the daemon looks at the watch this often.
-_POLL_S = 0.25
 
 
 class InsertPlaneUnavailable(RuntimeError):
@@ -268,7 +266,7 @@ class SlotWriter:
         self._answered = 0  # id of the last answered request
         self._answered_at = time.monotonic()
         self.address = address
-        self._watch = DaemonWatch(channel, answer_timeout, metadata)
+        self._watch = DaemonWatch.of(channel, answer_timeout, metadata)
         self._to_populate: list[tuple[SegmentWriterMapping, list[int]]] = []  # reader thread's, outside the lock
         call = channel.stream_stream(INSERT_PLANE_METHOD, request_serializer=pb.InsertPlaneRequest.SerializeToString,
                                      response_deserializer=pb.InsertPlaneResponse.FromString)
@@ -337,21 +335,26 @@ class SlotWriter:
                 self.done = True
                 self._opened.set()
                 self._cond.notify_all()
-            self._watch.close()
 
     def _await_answer(self, deadline: float | None = None) -> None:
         """Wait (lock held) for the daemon's next answer, at most until ``deadline``; when the daemon has
         answered nothing for the answer timeout, fail the stream instead (``error``, and the call cancelled)."""
-        if self._sent and self.error is None and self._watch.away(max(self._answered_at, self._sent[0][3])):
-            self.error = DaemonNotAnswering(
-                f"the daemon at {self.address} answered nothing for {self._watch.timeout_s:g} s (neither the "
-                f"insert plane's stream nor a ServerInfo call); {len(self.pending)} items not committed", self.address)
-            self._queue.put(None)
-            self._call.cancel()
-            self._cond.notify_all()
-            return
-        timeout = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
-        self._cond.wait(timeout)
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._sent and self.error is None:
+            quiet_since = max(self._answered_at, self._sent[0][3])
+            if self._watch.away(quiet_since):
+                self.error = DaemonNotAnswering(
+                    f"the daemon at {self.address} answered nothing for {self._watch.timeout_s:g} s (neither the "
+                    f"insert plane's stream nor a ServerInfo call); {len(self.pending)} items not committed",
+                    self.address)
+                self._queue.put(None)
+                self._call.cancel()
+                self._cond.notify_all()
+                return
+            recheck = self._watch.recheck_in(quiet_since)
+            if recheck is not None:
+                wait = recheck if wait is None else min(wait, recheck)
+        self._cond.wait(wait)
 
     # ------------------------------------------------------------------ layouts and reservations
     def _adopt(self, state: _Table, layout_msg: pb.TableLayout) -> bool:
@@ -588,4 +591,3 @@ class SlotWriter:
         """End the stream at once (its reservations are given back by the daemon)."""
         self._queue.put(None)
         self._call.cancel()
-        self._watch.close()

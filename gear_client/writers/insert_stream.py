@@ -322,8 +322,6 @@ class InsertStream:
             self._open_call, self._raw, channel = _open_insert_stream(self._client)
             self._ingest_channel.close()
             self._ingest_channel = None
-            if self._watch is not None:
-                self._watch.close()
             self._watch = self._watch_for(channel)
         self._resent = len(self.pending) if self._outage_since is not None else 0
         self._calls_opened += 1
@@ -367,7 +365,7 @@ class InsertStream:
         """A watch of the daemon behind ``channel`` bounded by the reconnect timeout (None: no channel to probe)."""
         if not isinstance(channel, grpc.Channel):
             return None
-        return DaemonWatch(channel, self._reconnect_timeout_s)
+        return DaemonWatch.of(channel, self._reconnect_timeout_s)
 
     def _check_answers_locked(self) -> None:
         """Cancel the call when its daemon answered nothing (acknowledgements or probes) for the reconnect
@@ -385,6 +383,15 @@ class InsertStream:
                     len(self.pending))
         self._silent_call = call  # cancelled once; its thread ends it, then gives the due items up
         call.cancel()
+
+    def _recheck_in_locked(self) -> float | None:
+        """How long a waiter may sleep (None: until notified): polls during an outage (items fall due), else
+        until the daemon's watch would have something to say about the open call."""
+        if self._outage_since is not None or not self._in_call or not self.pending:
+            return _POLL_S
+        if self._watch is None:
+            return None
+        return self._watch.recheck_in(max(self._last_ack_at, next(iter(self.pending.values())).created_at))
 
     def _fail_call_locked(self, error: BaseException) -> None:
         """A non-transient end: the writer's next call raises it; its unacknowledged items are lost."""
@@ -464,12 +471,12 @@ class InsertStream:
                 self._expire_locked()
                 if self.failed_keys:
                     return True
-                timeout = _POLL_S
+                timeout = self._recheck_in_locked()
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return False
-                    timeout = min(timeout, remaining)
+                    timeout = remaining if timeout is None else min(timeout, remaining)
                 self._cond.wait(timeout)
             return True
 

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 ENV_INSERT_PLANE = "GEAR_INSERT_PLANE"
 ENV_INGEST_WORKERS = "GEAR_INGEST_WORKERS"
+# A ServerInfo answer this recent (the one ``trajectory_writer`` asked for) serves the routes' choice.
+SERVER_INFO_MAX_AGE_S = 2.0
 
 
 def _enabled(env: str) -> bool:
@@ -54,6 +56,8 @@ class DaemonClient(Protocol):
 
     def _fetch_server_info(self, timeout: float | None) -> pb.ServerInfoResponse: ...
 
+    def _recent_server_info(self, max_age_s: float, timeout: float | None) -> pb.ServerInfoResponse: ...
+
     def _connect(self) -> tuple[grpc.Channel, Any, Any]: ...
 
 
@@ -68,7 +72,7 @@ def open_slot_writer(client: Any, timeout: float | None = None) -> SlotWriter | 
     waits on the daemon are bounded by the client's connect timeout (DaemonNotAnswering past it)."""
     if not _enabled(ENV_INSERT_PLANE) or not _is_client(client):
         return None
-    info = client._fetch_server_info(timeout=timeout)
+    info = client._recent_server_info(SERVER_INFO_MAX_AGE_S, timeout)
     if not info.host_id or info.host_id != local_host_id():
         return None
     channel, _, _ = client._connect()
@@ -99,7 +103,7 @@ def ingest_channel(client: Any) -> grpc.Channel | None:
     if not _enabled(ENV_INGEST_WORKERS) or not _is_client(client):
         return None
     try:
-        ports = list(client._fetch_server_info(timeout=None).ingest_ports)
+        ports = list(client._recent_server_info(SERVER_INFO_MAX_AGE_S, None).ingest_ports)
     except ReverbError:
         return None
     parts = split_target(client.server_address)
