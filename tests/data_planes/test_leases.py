@@ -215,7 +215,14 @@ def test_generation_check_tolerates_a_grown_table():
 
 
 def test_unleased_reads_under_the_same_churn_do_tear():
-    """The control: copying slots without a lease while the writer churns yields torn items the checksum sees."""
+    """The control: a reader copying slots without a lease while the writer churns gets torn items.
+
+    Reader and writer go in lockstep rather than racing (a race that a loaded machine may never lose):
+    the reader copies the first column of every slot, the writer inserts as many items as the table
+    holds slots (FIFO eviction: every slot is rewritten), then the reader copies the other columns.
+    Nothing stops the table from reusing a slot under a reader that holds no lease, so every slot
+    read that way is torn, and the checksum sees it.
+    """
     from gear_client.data_planes.shm import SegmentMapping
 
     d = start_daemon(table_config("t", 16))
@@ -224,23 +231,22 @@ def test_unleased_reads_under_the_same_churn_do_tear():
         fill(table, 16)
         layout = table.layout()
         mapping = SegmentMapping(layout)
-        views = [layout.column_view(mapping.buffer, c) for c in range(3)]
-        written = torn = 0
-        deadline = time.monotonic() + 10
-        rng = np.random.default_rng(0)
-        with Churn(table):
-            while torn < 5 and time.monotonic() < deadline:
-                s = int(rng.integers(0, layout.capacity))
-                action, obs, reward = (v[s].copy() for v in views)
-                if action[0] == 0:
-                    continue  # a slot never written
-                written += 1
-                torn += not item_ok(action, obs, reward)
-        del views
+        action, obs, reward = (layout.column_view(mapping.buffer, c) for c in range(3))
+        slots = [s for s in range(layout.capacity) if action[s][0] != 0]  # the slots holding an item
+        assert len(slots) == 16
+        first = {s: action[s].copy() for s in slots}  # the reader is part-way through every item
+        with Churn(table) as churn:  # the writer rewrites every slot, as fast as it can
+            while churn.inserted < 2 * layout.capacity:
+                time.sleep(0.001)
+        assert table.layout().version == layout.version  # same segment: the mapping sees the rewrites
+        torn = sum(not item_ok(first[s], obs[s].copy(), reward[s].copy()) for s in slots)
+        intact = [s for s in slots if item_ok(action[s], obs[s], reward[s])]
+        del action, obs, reward
         mapping.close()
     finally:
         d.stop()
-    assert torn >= 5, f"{written} unleased reads, none torn: the churn test would prove nothing"
+    assert len(intact) == len(slots), "the slots hold whole items once the writer stopped"
+    assert torn == len(slots), f"{torn} of {len(slots)} unleased reads torn: the churn test would prove nothing"
 
 
 def test_pipelined_batches_drop_stale_ones_and_leave_no_lease_behind(monkeypatch):
