@@ -125,7 +125,7 @@ def test_100_samplers_blocked_on_a_rate_limiter_are_released_by_inserts(make_dae
     time.sleep(1.0)  # all of them waiting now
     started = time.monotonic()
     info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=PROMPT_S).table_info[0]
-    assert time.monotonic() - started < 2.0  # other calls are answered while they wait
+    assert time.monotonic() - started < PROMPT_S / 2  # other calls are answered while they wait (got == [])
     assert info.rate_limiter_info.sample_stats.pending_wait_time_s > 0  # their waits show in the stats
     assert got == []
     released = time.monotonic()
@@ -198,7 +198,7 @@ def test_past_max_streams_a_new_call_is_refused_at_once_naming_the_key(make_daem
     started = time.monotonic()
     extra = HeldStream(stub)
     error = extra.error()
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < PROMPT_S / 2  # refused, not queued behind the held streams
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in error.details()
     with pytest.raises(grpc.RpcError) as info:
         stub.ServerInfo(pb.ServerInfoRequest(), timeout=PROMPT_S)
@@ -326,22 +326,23 @@ def test_a_table_held_by_a_long_operation_does_not_stall_the_other_calls(make_da
     list(stub.InsertStream(iter([chunk_request(1, np.ones((1, 3), np.float32), "other")]), timeout=PROMPT_S))
     lock = d.daemon.tables["busy"].lock  # what a snapshot or a regrowth holds
     held = threading.Event()
+    release = threading.Event()
 
     def hold() -> None:
         with lock:
             held.set()
-            time.sleep(1.5)
+            release.wait(30)  # held until the other calls were answered: no race with the clock
 
     holder = threading.Thread(target=hold)
     holder.start()
     held.wait(5)
     waiting = [stub.CheckRateLimiter.future(pb.RateLimiterCheckRequest(table="busy", num_samples=1), timeout=30)]
-    started = time.monotonic()
     health_stub = health.health_pb2_grpc.HealthStub(channel)
     assert health_stub.Check(health.health_pb2.HealthCheckRequest(), timeout=5).status == health.SERVING
     (response,) = stub.Sample(pb.SampleRequest(table="other", num_samples=1), timeout=5)
     assert response.batch.info[0].key == 1
-    assert time.monotonic() - started < 0.75  # answered while the lock is still held
+    assert holder.is_alive() and not release.is_set()  # answered while the lock is still held
     assert not waiting[0].done()
+    release.set()
     holder.join(10)
     assert waiting[0].result(timeout=10).can_sample is False

@@ -50,7 +50,7 @@ def test_a_million_slot_table_commits_memory_as_it_fills(store):
     table.insert(frame(0))
     first_insert_s = time.perf_counter() - t0
     layout = table.layout()
-    assert first_insert_s < 0.5, f"first insert took {first_insert_s:.2f} s"
+    assert first_insert_s < 2.0, f"first insert took {first_insert_s:.2f} s"
     assert rss_bytes() - rss_before < 32 << 20, "the table and its first insert took more than 32 MiB of RSS"
     assert allocated(layout.segment) <= 2 << 20, "the first insert committed more than 2 MiB"
     assert layout.segment_size <= 32 << 20, "learners would map (and MAP_POPULATE) more than 32 MiB"
