@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks
+.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks
 
 install: $(STAMP)
 
@@ -121,6 +121,11 @@ $(REVERB_VENV)/.installed:
 
 bench-reverb: install $(REVERB_VENV)/.installed
 	$(VPY) bench/reverb/compare.py --reverb-python $(REVERB_VENV)/bin/python
+
+# Connect storms: 100, 300 and 1,000 actors (a Client and a trajectory_writer each), gear and Reverb side by
+# side (Reverb from .venv-reverb: `make bench-reverb` builds it; without it, gear's figures only).
+bench-connect: install
+	$(VPY) bench/bench_connect.py --reverb-python $(REVERB_VENV)/bin/python
 
 # The control plane: 1,000 open writer streams on one daemon, RSS per stream, mutate and Select
 # latency (Reverb's mutate side by side when .venv-reverb exists).

@@ -10,9 +10,8 @@ the timeout the watch sends fail-fast ServerInfo probes over the stream's
 channel (futures: the waiter never blocks on one). Any answer, even an error
 status, shows the daemon alive. The daemon counts as away once neither the
 stream nor a probe got an answer for ``timeout_s`` (the client's connect
-timeout). The streams of one channel share one watch (``DaemonWatch.of``), so
-a thousand writers held back by a rate limiter send one probe at a time, not a
-thousand.
+timeout). The streams of one channel share its probes, so a thousand writers
+held back by a rate limiter send one probe at a time, not a thousand.
 """
 
 from __future__ import annotations
@@ -45,78 +44,89 @@ class DaemonNotAnswering(RuntimeError):
         self.address = address
 
 
-_watches_lock = threading.Lock()
-_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> {timeout: DaemonWatch}
+_probers_lock = threading.Lock()
+_probers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> _Prober
+
+
+class _Prober:
+    """The ServerInfo probes of one channel, shared by the watches of all its streams."""
+
+    @classmethod
+    def of(cls, channel: grpc.Channel, metadata: Sequence[tuple[str, str]] | None) -> _Prober:
+        if metadata:
+            return cls(channel, metadata)
+        with _probers_lock:
+            try:
+                prober = _probers.get(channel)
+                if prober is None:
+                    prober = _probers[channel] = cls(channel, None)
+            except TypeError:  # a channel without weak references: probes of its own
+                prober = cls(channel, None)
+            return prober
+
+    def __init__(self, channel: grpc.Channel, metadata: Sequence[tuple[str, str]] | None):
+        self._channel = weakref.ref(channel)  # lives beside its channel, does not keep it open
+        self._metadata = metadata
+        self._lock = threading.RLock()  # a probe that is done at once runs its callback under the lock
+        self._probe: grpc.Future | None = None
+        self._next_probe = 0.0
+        self.alive_at = -math.inf  # when the latest probe that got an answer was sent
+
+    def probe(self, timeout_s: float) -> None:
+        """Send a fail-fast ServerInfo unless one is in flight or one went out less than PROBE_INTERVAL_S ago."""
+        now = time.monotonic()
+        with self._lock:
+            if self._probe is not None or now < self._next_probe:
+                return
+            self._next_probe = now + PROBE_INTERVAL_S
+            channel = self._channel()
+            try:
+                call = channel.unary_unary(SERVER_INFO_METHOD, response_deserializer=None,
+                                           request_serializer=pb.ServerInfoRequest.SerializeToString)
+                probe = call.future(pb.ServerInfoRequest(), timeout=min(PROBE_TIMEOUT_S, timeout_s),
+                                    metadata=self._metadata, wait_for_ready=False)
+            except (AttributeError, ValueError, RuntimeError):  # the channel is gone or closed: no answer
+                return
+            self._probe = probe
+            probe.add_done_callback(lambda done, sent=now: self._done(done, sent))
+
+    def _done(self, probe: grpc.Future, sent_at: float) -> None:
+        answered = not probe.cancelled() and (probe.exception() is None or probe.code() not in _AWAY_CODES)
+        with self._lock:
+            if self._probe is probe:
+                self._probe = None
+            if answered:
+                self.alive_at = max(self.alive_at, sent_at)
 
 
 class DaemonWatch:
-    """Probes of one channel's daemon while a stream on it waits (see the module docstring). Thread safe."""
-
-    @classmethod
-    def of(cls, channel: grpc.Channel, timeout_s: float | None,
-           metadata: Sequence[tuple[str, str]] | None = None) -> DaemonWatch:
-        """The watch every stream on ``channel`` with this timeout shares (a new one with ``metadata``)."""
-        if metadata:
-            return cls(channel, timeout_s, metadata)
-        with _watches_lock:
-            try:
-                by_timeout = _watches.setdefault(channel, {})
-            except TypeError:  # a channel without weak references: a watch of its own
-                return cls(channel, timeout_s)
-            watch = by_timeout.get(timeout_s)
-            if watch is None:
-                watch = by_timeout[timeout_s] = cls(channel, timeout_s)
-            return watch
+    """One stream's watch of its daemon (see the module docstring). Cheap to make: the channel's shared
+    prober is looked up only once the stream has been silent for half the timeout. Thread safe."""
 
     def __init__(self, channel: grpc.Channel, timeout_s: float | None,
                  metadata: Sequence[tuple[str, str]] | None = None):
         """``timeout_s``: seconds of silence after which the daemon is away (None or inf: never)."""
         self.timeout_s = None if timeout_s is None or math.isinf(timeout_s) else float(timeout_s)
+        self._probe_after = None if self.timeout_s is None else max(MIN_PROBE_AFTER_S, self.timeout_s / 2)
+        self._channel = channel
         self._metadata = metadata
-        self._channel = weakref.ref(channel)  # shared watches live beside their channel, not keep it open
-        self._lock = threading.RLock()  # a probe that is done at once runs its callback under the lock
-        self._probe: grpc.Future | None = None
-        self._next_probe = 0.0
-        self._alive_at = -math.inf  # when the latest probe that got an answer was sent
+        self._prober: _Prober | None = None
 
     def away(self, quiet_since: float) -> bool:
         """Whether the daemon has answered nothing since ``quiet_since`` (monotonic seconds) for the timeout.
 
         Call it while waiting on the stream; it sends a probe when one is due and never blocks.
         """
-        if self.timeout_s is None:
+        if self._probe_after is None or time.monotonic() - quiet_since < self._probe_after:
             return False
-        now = time.monotonic()
-        if now - quiet_since < max(MIN_PROBE_AFTER_S, self.timeout_s / 2):
-            return False
-        with self._lock:
-            if self._probe is None and now >= self._next_probe:
-                self._next_probe = now + PROBE_INTERVAL_S
-                channel = self._channel()
-                try:
-                    call = channel.unary_unary(SERVER_INFO_METHOD, response_deserializer=None,
-                                               request_serializer=pb.ServerInfoRequest.SerializeToString)
-                    probe = call.future(pb.ServerInfoRequest(), timeout=min(PROBE_TIMEOUT_S, self.timeout_s),
-                                        metadata=self._metadata, wait_for_ready=False)
-                except (AttributeError, ValueError, RuntimeError):  # the channel is gone or closed: no answer
-                    probe = None
-                if probe is not None:
-                    self._probe = probe
-                    probe.add_done_callback(lambda done, sent=now: self._probe_done(done, sent))
-            return now - max(quiet_since, self._alive_at) >= self.timeout_s
+        if self._prober is None:
+            self._prober = _Prober.of(self._channel, self._metadata)
+        self._prober.probe(self.timeout_s)
+        return time.monotonic() - max(quiet_since, self._prober.alive_at) >= self.timeout_s
 
     def recheck_in(self, quiet_since: float) -> float | None:
         """Seconds until ``away`` may say something new for a stream silent since ``quiet_since`` (None: never):
         a waiter sleeps that long, so a stream that gets its answers in time costs no wake-ups."""
-        if self.timeout_s is None:
+        if self._probe_after is None:
             return None
-        start = quiet_since + max(MIN_PROBE_AFTER_S, self.timeout_s / 2)
-        return max(start - time.monotonic(), PROBE_INTERVAL_S / 2)
-
-    def _probe_done(self, probe: grpc.Future, sent_at: float) -> None:
-        answered = not probe.cancelled() and (probe.exception() is None or probe.code() not in _AWAY_CODES)
-        with self._lock:
-            if self._probe is probe:
-                self._probe = None
-            if answered:
-                self._alive_at = max(self._alive_at, sent_at)
+        return max(quiet_since + self._probe_after - time.monotonic(), PROBE_INTERVAL_S / 2)

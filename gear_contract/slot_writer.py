@@ -266,7 +266,7 @@ class SlotWriter:
         self._answered = 0  # id of the last answered request
         self._answered_at = time.monotonic()
         self.address = address
-        self._watch = DaemonWatch.of(channel, answer_timeout, metadata)
+        self._watch = DaemonWatch(channel, answer_timeout, metadata)
         self._to_populate: list[tuple[SegmentWriterMapping, list[int]]] = []  # reader thread's, outside the lock
         call = channel.stream_stream(INSERT_PLANE_METHOD, request_serializer=pb.InsertPlaneRequest.SerializeToString,
                                      response_deserializer=pb.InsertPlaneResponse.FromString)

@@ -365,7 +365,7 @@ class InsertStream:
         """A watch of the daemon behind ``channel`` bounded by the reconnect timeout (None: no channel to probe)."""
         if not isinstance(channel, grpc.Channel):
             return None
-        return DaemonWatch.of(channel, self._reconnect_timeout_s)
+        return DaemonWatch(channel, self._reconnect_timeout_s)
 
     def _check_answers_locked(self) -> None:
         """Cancel the call when its daemon answered nothing (acknowledgements or probes) for the reconnect
