@@ -345,8 +345,7 @@ class SlotWriter:
             if self._watch.away(quiet_since):
                 self.error = DaemonNotAnswering(
                     f"the daemon at {self.address} answered nothing for {self._watch.timeout_s:g} s (neither the "
-                    f"insert plane's stream nor a ServerInfo call); {len(self.pending)} items not committed",
-                    self.address)
+                    "insert plane's stream nor a ServerInfo call)", self.address)
                 self._queue.put(None)
                 self._call.cancel()
                 self._cond.notify_all()

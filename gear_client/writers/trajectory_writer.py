@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from gear_client.errors import (
+    ConnectError,
     DeadlineExceededError,
     ItemsNotInsertedError,
     ReverbError,
@@ -392,6 +393,8 @@ class TrajectoryWriter:
         if isinstance(error, DaemonNotAnswering):  # silent for the whole connect timeout: give the items up
             keys = [item.key for item in items]
             log.warning("%s: %s; %d items given up", operation, error, len(keys))
+            if not keys:
+                raise ConnectError(f"{operation}: {error}", address=error.address, cause="unreachable") from error
             raise ItemsNotInsertedError(f"{operation}: {len(keys)} items were not acknowledged: {error}"
                                         f"{_keys_text(keys)}", keys) from error
         if not items:
