@@ -21,7 +21,7 @@ import pytest
 
 import gear_client as reverb
 from gear_client.errors import ItemsNotInsertedError
-from tests.ops._support import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
