@@ -50,7 +50,14 @@ class Table:
 
     def __init__(self, name: str, sampler: selectors_lib.SelectorType, remover: selectors_lib.SelectorType,
                  max_size: int, rate_limiter: rate_limiters_lib.RateLimiter, max_times_sampled: int = 0,
-                 extensions: Sequence[Any] = (), signature: Any = None):
+                 extensions: Sequence[Any] = (), signature: Any = None, gpu_mirror: dict[str, Any] | None = None):
+        """Args (beyond Reverb's): ``gpu_mirror``: mirror the table's most recent items into one GPU's memory
+        on the daemon's host, e.g. ``{"device": 0, "bytes": 8 << 30}`` (``bytes`` may be ``"8GiB"``; docs/DATA_PLANES.md,
+        device tier).
+
+        Raises:
+          ValueError: a bad option (the message names it).
+        """
         if not name:
             raise ValueError("name must be nonempty")
         if max_size <= 0:
@@ -76,6 +83,8 @@ class Table:
         self._max_times_sampled = int(max_times_sampled)
         self._signature = signature
         self._signature_proto = signature_proto
+        self._gpu_mirror_option = gpu_mirror
+        self._gpu_mirror = gpu_mirror_proto(gpu_mirror, name) if gpu_mirror is not None else None
         self._server: Server | None = None
 
     @classmethod
@@ -94,7 +103,7 @@ class Table:
 
     def replace(self, name: str | None = None, sampler: Any = None, remover: Any = None, max_size: int | None = None,
                 rate_limiter: Any = None, max_times_sampled: int | None = None, signature: Any = None,
-                extensions: Sequence[Any] | None = None) -> Table:
+                extensions: Sequence[Any] | None = None, gpu_mirror: dict[str, Any] | None = None) -> Table:
         """A new, empty table with this one's settings except those given."""
         return Table(
             name=self._name if name is None else name, sampler=sampler or self._sampler,
@@ -102,6 +111,7 @@ class Table:
             rate_limiter=rate_limiter or self._rate_limiter,
             max_times_sampled=self._max_times_sampled if max_times_sampled is None else max_times_sampled,
             extensions=extensions or (), signature=self._signature if signature is None else signature,
+            gpu_mirror=self._gpu_mirror_option if gpu_mirror is None else gpu_mirror,
         )
 
     @property
@@ -115,6 +125,8 @@ class Table:
                                 max_times_sampled=self._max_times_sampled)
         if self._signature_proto is not None:
             config.signature.CopyFrom(self._signature_proto)
+        if self._gpu_mirror is not None:
+            config.gpu_mirror.CopyFrom(self._gpu_mirror)
         return config
 
     def _bound_client(self):
@@ -319,6 +331,13 @@ class Server:
 
     def __repr__(self) -> str:
         return f"Server(port={self._port}, tables={[t.name for t in self._tables]}, pid={self.pid})"
+
+
+def gpu_mirror_proto(option: dict[str, Any], table: str) -> pb.GpuMirror:
+    """A table's ``gpu_mirror`` option, validated as the daemon's TOML is (ValueError naming the problem)."""
+    from gear_server.config import gpu_mirror_from_toml
+
+    return gpu_mirror_from_toml(option, f"table {table!r} gpu_mirror")
 
 
 def _remove_if_empty(path: str | None) -> None:

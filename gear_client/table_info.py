@@ -41,6 +41,8 @@ class TableInfo:
     num_deleted_episodes: int
     num_unique_samples: int
     table_worker_time: TableWorkerTime
+    # gear's own: the table's GPU mirror (device, budget_bytes, rows, mirrored_items, copied_items), None without one.
+    gpu_mirror: pb.GpuMirrorInfo | None = None
 
     @classmethod
     def from_proto(cls, proto: pb.TableInfo) -> TableInfo:
@@ -52,6 +54,7 @@ class TableInfo:
             num_episodes=int(proto.num_episodes), num_deleted_episodes=int(proto.num_deleted_episodes),
             num_unique_samples=int(proto.num_unique_samples),
             table_worker_time=TableWorkerTime(running_ms=int(proto.table_worker_time_ms)),
+            gpu_mirror=proto.gpu_mirror if proto.HasField("gpu_mirror") else None,
         )
 
     @classmethod

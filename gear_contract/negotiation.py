@@ -4,7 +4,9 @@ The learner sends a ``DataPlaneOffer``: shared memory (with its host identity),
 RDMA (with its device's endpoint: port, LID/GID, queue pairs) and inline bytes.
 The daemon answers with the best plane both sides can use, in this order:
 
-1. ``shm`` when the learner is on the daemon's host (same host identity),
+1. ``device`` when the learner is on the daemon's host, offers ``device`` (it has a GPU) and
+   the table has a GPU mirror; else ``shm`` when the learner is on the daemon's host (same
+   host identity),
 2. ``rdma`` when both sides have an RDMA device,
 3. ``inline`` otherwise (bytes in gRPC messages).
 
@@ -26,10 +28,11 @@ from collections.abc import Iterable
 
 from gear_contract._proto import replay_pb2 as pb
 
+DEVICE = "device"
 SHM = "shm"
 RDMA = "rdma"
 INLINE = "inline"
-PLANES = (SHM, RDMA, INLINE)  # best first
+PLANES = (DEVICE, SHM, RDMA, INLINE)  # best first
 
 # Pins the host identity (e.g. two containers that share /dev/shm and should use it).
 ENV_HOST_ID = "GEAR_HOST_ID"
@@ -89,18 +92,24 @@ def normalise_planes(planes: Iterable[str] | str | None) -> tuple[str, ...]:
     return tuple(p for p in PLANES if p in wanted)
 
 
-def build_offer(planes: Iterable[str], host_id: str, rdma_endpoint: pb.RdmaEndpoint | None) -> pb.DataPlaneOffer:
-    """The learner's offer: the allowed planes it can actually use."""
+def build_offer(planes: Iterable[str], host_id: str, rdma_endpoint: pb.RdmaEndpoint | None, *,
+                device: bool = False) -> pb.DataPlaneOffer:
+    """The learner's offer: the allowed planes it can actually use (``device``: it reads GPU mirrors)."""
     planes = set(planes)
-    offer = pb.DataPlaneOffer(host_id=host_id, shm=SHM in planes, inline=INLINE in planes)
+    offer = pb.DataPlaneOffer(host_id=host_id, shm=SHM in planes, inline=INLINE in planes,
+                              device=device and DEVICE in planes)
     if RDMA in planes and rdma_endpoint is not None:
         offer.rdma.CopyFrom(rdma_endpoint)
     return offer
 
 
-def choose_plane(offer: pb.DataPlaneOffer, daemon_host_id: str, daemon_has_rdma: bool) -> str:
+def choose_plane(offer: pb.DataPlaneOffer, daemon_host_id: str, daemon_has_rdma: bool,
+                 table_mirrored: bool = False) -> str:
     """The daemon's pick: the best plane both sides support (NoCommonPlaneError if none)."""
-    if offer.shm and offer.host_id and offer.host_id == daemon_host_id:
+    same_host = bool(offer.host_id) and offer.host_id == daemon_host_id
+    if offer.device and same_host and table_mirrored:
+        return DEVICE
+    if offer.shm and same_host:
         return SHM
     if offer.HasField("rdma") and daemon_has_rdma:
         return RDMA

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -69,7 +70,11 @@ OPERATION_SECTIONS: dict[str, tuple[str, str]] = {
 
 _SERVER_KEYS = {"bind_address", "port", "shm_dir", "instance_name", "max_workers", "tables"}
 _TABLE_KEYS = {"name", "preset", "sampler", "remover", "max_size", "max_times_sampled", "rate_limiter",
-               "signature", "initial_max_length"}
+               "signature", "initial_max_length", "gpu_mirror"}
+_GPU_MIRROR_KEYS = {"device", "bytes", "backend"}
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_BYTE_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 class ConfigError(ValueError):
@@ -225,7 +230,40 @@ def table_config_from_toml(entry: dict[str, Any], where: str = "table") -> pb.Ta
         raise ConfigError(f"{where}: initial_max_length must be >= 0")
     if "signature" in entry:
         config.signature.CopyFrom(signature_from_toml(entry["signature"], f"{where} signature"))
+    if "gpu_mirror" in entry:
+        config.gpu_mirror.CopyFrom(gpu_mirror_from_toml(entry["gpu_mirror"], f"{where} gpu_mirror"))
     return config
+
+
+def byte_size(value: Any, where: str) -> int:
+    """A positive byte count: an integer, or a string such as ``"8GiB"``, ``"512 MiB"``, ``"2GB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be a byte size such as 8GiB, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _BYTE_SIZE.match(value)) and m.group(2).upper() in _BYTE_UNITS:
+        n = int(float(m.group(1)) * _BYTE_UNITS[m.group(2).upper()])
+    else:
+        raise ConfigError(f"{where} must be a byte size such as 8GiB or 512MiB, got {value!r}")
+    if n <= 0:
+        raise ConfigError(f"{where} must be more than 0 bytes, got {value!r}")
+    return n
+
+
+def gpu_mirror_from_toml(value: Any, where: str) -> pb.GpuMirror:
+    """``{ device = 0, bytes = "8GiB" }`` (``backend = "host"``: the host-memory stand-in, for tests)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a table such as {{ device = 0, bytes = \"8GiB\" }}, got {value!r}")
+    known_keys(value, _GPU_MIRROR_KEYS, where)
+    if "bytes" not in value:
+        raise ConfigError(f"{where}: bytes (the budget, e.g. \"8GiB\") is required")
+    device = _int(value, "device", 0, where)
+    if device < 0:
+        raise ConfigError(f"{where}: device must be a CUDA ordinal >= 0, got {device}")
+    backend = _typed(value, "backend", str, "cuda", where)
+    if backend not in ("cuda", "host"):
+        raise ConfigError(f"{where}: backend must be 'cuda' or 'host', got {backend!r}")
+    return pb.GpuMirror(device=device, bytes=byte_size(value["bytes"], f"{where} bytes"), backend=backend)
 
 
 _SIMPLE_SELECTORS = {

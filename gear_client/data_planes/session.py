@@ -39,6 +39,7 @@ class ItemSelection:
     layout_version: int
     layout: TableLayout | None = None  # sent when the table's layout changed since the session last saw it
     region: pb.RdmaRegion | None = None  # rdma: that layout's memory region
+    mirror_rows: np.ndarray | None = None  # device: each item's GPU-mirror row (-1: read from the segment)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -66,8 +67,11 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
         infos = (_array(response.keys, "<u8").copy(), _array(response.probabilities, "<f8").copy(),
                  _array(response.table_sizes, "<i8").copy(), _array(response.priorities, "<f8").copy(),
                  _array(response.times_sampled, "<i4").copy())
+        rows = _array(response.mirror_rows, "<i8") if response.HasField("mirror_rows") else None
+        if rows is not None and len(rows) != len(slots):
+            raise ValueError(f"Select answered {len(rows)} mirror rows for {len(slots)} items")
         return ItemSelection(slots, _array(response.generations, "<u8"), lengths, infos, int(response.lease_id),
-                             int(response.layout_version), layout, region)
+                             int(response.layout_version), layout, region, rows)
     refs = response.refs
     n = len(refs)
     if response.HasField("layout"):

@@ -102,7 +102,7 @@ class RateLimiterOptions(_message.Message):
     def __init__(self, samples_per_insert: _Optional[float] = ..., min_size_to_sample: _Optional[int] = ..., min_diff: _Optional[float] = ..., max_diff: _Optional[float] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "sampler", "remover", "max_size", "rate_limiter", "max_times_sampled", "signature", "initial_max_length")
+    __slots__ = ("name", "sampler", "remover", "max_size", "rate_limiter", "max_times_sampled", "signature", "initial_max_length", "gpu_mirror")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     REMOVER_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class TableConfig(_message.Message):
     MAX_TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     INITIAL_MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GPU_MIRROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     sampler: SelectorOptions
     remover: SelectorOptions
@@ -119,7 +120,18 @@ class TableConfig(_message.Message):
     max_times_sampled: int
     signature: Signature
     initial_max_length: int
-    def __init__(self, name: _Optional[str] = ..., sampler: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiterOptions, _Mapping]] = ..., max_times_sampled: _Optional[int] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., initial_max_length: _Optional[int] = ...) -> None: ...
+    gpu_mirror: GpuMirror
+    def __init__(self, name: _Optional[str] = ..., sampler: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiterOptions, _Mapping]] = ..., max_times_sampled: _Optional[int] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., initial_max_length: _Optional[int] = ..., gpu_mirror: _Optional[_Union[GpuMirror, _Mapping]] = ...) -> None: ...
+
+class GpuMirror(_message.Message):
+    __slots__ = ("device", "bytes", "backend")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    bytes: int
+    backend: str
+    def __init__(self, device: _Optional[int] = ..., bytes: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class ServerConfig(_message.Message):
     __slots__ = ("bind_address", "port", "tables", "checkpoint_dir", "shm_dir", "instance_name", "fallback_checkpoint_path")
@@ -170,7 +182,7 @@ class RateLimiterInfo(_message.Message):
     def __init__(self, samples_per_insert: _Optional[float] = ..., min_diff: _Optional[float] = ..., max_diff: _Optional[float] = ..., min_size_to_sample: _Optional[int] = ..., insert_stats: _Optional[_Union[RateLimiterCallStats, _Mapping]] = ..., sample_stats: _Optional[_Union[RateLimiterCallStats, _Mapping]] = ..., num_deletes: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "sampler_options", "remover_options", "max_size", "max_times_sampled", "rate_limiter_info", "signature", "current_size", "num_episodes", "num_deleted_episodes", "num_unique_samples", "table_worker_time_ms", "selection_state")
+    __slots__ = ("name", "sampler_options", "remover_options", "max_size", "max_times_sampled", "rate_limiter_info", "signature", "current_size", "num_episodes", "num_deleted_episodes", "num_unique_samples", "table_worker_time_ms", "selection_state", "gpu_mirror")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     REMOVER_OPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +196,7 @@ class TableInfo(_message.Message):
     NUM_UNIQUE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TABLE_WORKER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     SELECTION_STATE_FIELD_NUMBER: _ClassVar[int]
+    GPU_MIRROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     sampler_options: SelectorOptions
     remover_options: SelectorOptions
@@ -197,7 +210,22 @@ class TableInfo(_message.Message):
     num_unique_samples: int
     table_worker_time_ms: float
     selection_state: ShardSelectionState
-    def __init__(self, name: _Optional[str] = ..., sampler_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter_info: _Optional[_Union[RateLimiterInfo, _Mapping]] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., current_size: _Optional[int] = ..., num_episodes: _Optional[int] = ..., num_deleted_episodes: _Optional[int] = ..., num_unique_samples: _Optional[int] = ..., table_worker_time_ms: _Optional[float] = ..., selection_state: _Optional[_Union[ShardSelectionState, _Mapping]] = ...) -> None: ...
+    gpu_mirror: GpuMirrorInfo
+    def __init__(self, name: _Optional[str] = ..., sampler_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., remover_options: _Optional[_Union[SelectorOptions, _Mapping]] = ..., max_size: _Optional[int] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter_info: _Optional[_Union[RateLimiterInfo, _Mapping]] = ..., signature: _Optional[_Union[Signature, _Mapping]] = ..., current_size: _Optional[int] = ..., num_episodes: _Optional[int] = ..., num_deleted_episodes: _Optional[int] = ..., num_unique_samples: _Optional[int] = ..., table_worker_time_ms: _Optional[float] = ..., selection_state: _Optional[_Union[ShardSelectionState, _Mapping]] = ..., gpu_mirror: _Optional[_Union[GpuMirrorInfo, _Mapping]] = ...) -> None: ...
+
+class GpuMirrorInfo(_message.Message):
+    __slots__ = ("device", "budget_bytes", "rows", "mirrored_items", "copied_items")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MIRRORED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    budget_bytes: int
+    rows: int
+    mirrored_items: int
+    copied_items: int
+    def __init__(self, device: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., mirrored_items: _Optional[int] = ..., copied_items: _Optional[int] = ...) -> None: ...
 
 class ShardSelectionState(_message.Message):
     __slots__ = ("priority_mass", "has_head", "head_priority")
@@ -422,16 +450,18 @@ class RdmaEndpoint(_message.Message):
     def __init__(self, device: _Optional[str] = ..., port: _Optional[int] = ..., link_layer: _Optional[str] = ..., lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., gid_index: _Optional[int] = ..., mtu: _Optional[int] = ..., qp_nums: _Optional[_Iterable[int]] = ..., psns: _Optional[_Iterable[int]] = ..., max_rd_atomic: _Optional[int] = ..., max_msg_size: _Optional[int] = ...) -> None: ...
 
 class DataPlaneOffer(_message.Message):
-    __slots__ = ("shm", "host_id", "rdma", "inline")
+    __slots__ = ("shm", "host_id", "rdma", "inline", "device")
     SHM_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     shm: bool
     host_id: str
     rdma: RdmaEndpoint
     inline: bool
-    def __init__(self, shm: _Optional[bool] = ..., host_id: _Optional[str] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., inline: _Optional[bool] = ...) -> None: ...
+    device: bool
+    def __init__(self, shm: _Optional[bool] = ..., host_id: _Optional[str] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., inline: _Optional[bool] = ..., device: _Optional[bool] = ...) -> None: ...
 
 class ColumnLayout(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "slot_stride", "step_bytes", "max_length", "squeeze")
@@ -504,7 +534,7 @@ class SelectionGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms")
+    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms", "device_tier")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +542,7 @@ class OpenDataPlaneResponse(_message.Message):
     REGION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: str
     layout: TableLayout
@@ -519,7 +550,20 @@ class OpenDataPlaneResponse(_message.Message):
     region: RdmaRegion
     lease_timeout_ms: int
     session_idle_timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ...) -> None: ...
+    device_tier: DeviceTier
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ..., device_tier: _Optional[_Union[DeviceTier, _Mapping]] = ...) -> None: ...
+
+class DeviceTier(_message.Message):
+    __slots__ = ("device", "ipc_handle", "nbytes", "host_path")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PATH_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    ipc_handle: bytes
+    nbytes: int
+    host_path: str
+    def __init__(self, device: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., host_path: _Optional[str] = ...) -> None: ...
 
 class ItemRef(_message.Message):
     __slots__ = ("slot", "generation", "lengths")
@@ -554,7 +598,7 @@ class SelectRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., num_batches: _Optional[int] = ..., group_step: _Optional[int] = ..., group_picks: _Optional[int] = ..., group_offset: _Optional[int] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
-    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids", "batch_lease_ids", "batch_sizes")
+    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids", "batch_lease_ids", "batch_sizes", "mirror_rows")
     REFS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -572,6 +616,7 @@ class SelectResponse(_message.Message):
     STALE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_ROWS_FIELD_NUMBER: _ClassVar[int]
     refs: _containers.RepeatedCompositeFieldContainer[ItemRef]
     info: _containers.RepeatedCompositeFieldContainer[SampleInfo]
     layout_version: int
@@ -589,7 +634,8 @@ class SelectResponse(_message.Message):
     stale_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     batch_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     batch_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ..., batch_lease_ids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    mirror_rows: Tensor
+    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ..., batch_lease_ids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., mirror_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")

@@ -129,7 +129,8 @@ class DataPlaneManager:
     async def open(self, request: pb.OpenDataPlaneRequest, context: aio.ServicerContext) -> pb.OpenDataPlaneResponse:
         table = await find_table(self.tables, request.table, context)
         try:
-            kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None)
+            kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None,
+                                            table_mirrored=table.mirror is not None)
         except negotiation.NoCommonPlaneError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         peer = peer_identity(context)
@@ -191,6 +192,8 @@ class DataPlaneManager:
         if layout is not None:
             session.layout_version = layout.version
             response.layout.CopyFrom(layout.to_proto())
+        if kind == negotiation.DEVICE:
+            response.device_tier.CopyFrom(table.mirror.describe())
         if endpoint is not None:
             response.rdma.CopyFrom(endpoint)
         if region is not None:
@@ -287,6 +290,8 @@ class DataPlaneManager:
             except OSError as exc:
                 self.sessions.release(session, lease_ids)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if session.kind == negotiation.DEVICE:
+            fill_mirror_rows(response, table, joined)
         if serialized:
             return encode_select_response(response, joined)
         fill_select_tensors(response, joined)
@@ -353,6 +358,21 @@ class DataPlaneManager:
                     context: aio.ServicerContext) -> pb.CloseDataPlaneResponse:
         await self.calls.run(self.sessions.close, request.session_id)  # closing twice is harmless
         return pb.CloseDataPlaneResponse()
+
+
+def fill_mirror_rows(response: pb.SelectResponse, table: Table, selection: JoinedSelection) -> None:
+    """A device session's answer: each item's row in the table's GPU mirror (-1: read it from the segment).
+
+    Called after the leases are taken, so a listed row is not rewritten while they hold. Rows are listed
+    only in the row size of the layout the learner addresses the answer by (the table's current one).
+    """
+    layout = table.layout()
+    current = layout is not None and layout.columns and layout.version == response.layout_version
+    row_bytes = layout.columns[0].slot_stride if current else 0
+    rows = table.mirror.rows_for(selection.slots, selection.generations, row_bytes)
+    response.mirror_rows.dtype = rows.dtype.str
+    response.mirror_rows.shape.append(len(rows))
+    response.mirror_rows.data = rows.tobytes()
 
 
 # The per-item fields of a SelectResponse: (field, wire dtype), item i at index i of each.

@@ -354,7 +354,15 @@ class _ScrapeTimeCollector(Collector):
                                       labels=["table", "op"])
         deleted = CounterMetricFamily("gear_items_deleted", "Items removed (remover, max_times_sampled, deletes).",
                                       labels=["table"])
+        mirror_bytes = GaugeMetricFamily("gear_gpu_mirror_bytes", "GPU memory held by the table's GPU mirror.",
+                                         labels=["table", "device"])
+        mirror_items = GaugeMetricFamily("gear_gpu_mirror_items", "Items the table's GPU mirror holds now.",
+                                         labels=["table", "device"])
         for name, info in infos:
+            if info.HasField("gpu_mirror"):
+                gm = info.gpu_mirror
+                mirror_bytes.add_metric([name, str(gm.device)], gm.budget_bytes)
+                mirror_items.add_metric([name, str(gm.device)], gm.mirrored_items)
             rl = info.rate_limiter_info
             size.add_metric([name], info.current_size)
             capacity.add_metric([name], info.max_size)
@@ -368,7 +376,7 @@ class _ScrapeTimeCollector(Collector):
         counts = dict(m.session_counts())
         for plane in PLANES:
             sessions.add_metric([plane], counts.get(plane, 0))
-        return [size, capacity, episodes, waits, limited, deleted, sessions]
+        return [size, capacity, episodes, waits, limited, deleted, sessions, mirror_bytes, mirror_items]
 
 
 class MetricsServer:

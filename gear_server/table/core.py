@@ -25,6 +25,7 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_server.errors import TableClosedError
 from gear_server.storage import SegmentStore
 from gear_server.table.columns import MIN_INITIAL_SLOTS, ColumnStore
+from gear_server.table.gpu_mirror import GpuMirror, MirrorSpec
 from gear_server.table.items import PreparedItem, Signature
 from gear_server.table.rate_limiter import RateLimiter
 from gear_server.table.selectors import make_selector
@@ -77,6 +78,11 @@ class TableCore:
         self._copies_in_flight = 0
         self._exclusive = False
         self._closed = False
+        # The GPU-memory tier (gear_server.table.gpu_mirror); last, so a refused one leaves nothing to undo.
+        self.mirror: GpuMirror | None = None
+        if config.HasField("gpu_mirror"):
+            spec = MirrorSpec.from_proto(config.gpu_mirror, self.name)
+            self.mirror = GpuMirror(self, spec, store.segment_path(f"{self.name}/gpu-mirror", 0))
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -168,6 +174,8 @@ class TableCore:
         self.sampler.delete(slot)
         self.remover.delete(slot)
         self.rate_limiter.deleted()
+        if self.mirror is not None:
+            self.mirror.removed(slot)
 
     def unlease_locked(self, held: Held) -> None:
         """End a lease's hold on its slots (deleted items' slots it was the last to hold become free).
@@ -177,6 +185,8 @@ class TableCore:
         had_zombies = bool(self.slots.zombies)
         for slot in self.slots.unlease(held):
             self.side.drop(slot)
+            if self.mirror is not None:
+                self.mirror.removed(slot)
         if had_zombies and (self._exclusive or self._copies_in_flight):
             self._cond.notify_all()
 
@@ -234,6 +244,8 @@ class TableCore:
         self.remover.clear()
         self._num_unique_samples = 0
         self.rate_limiter.reset()
+        if self.mirror is not None:
+            self.mirror.clear()
 
     def snapshot_locked(self) -> TableSnapshot:
         """Every piece of the table's state (``Table.snapshot``). The caller holds the lock."""
@@ -265,6 +277,8 @@ class TableCore:
         rng_state = s.get("rng")
         if rng_state and rng_state.get("bit_generator") == self.rng.bit_generator.state["bit_generator"]:
             self.rng.bit_generator.state = rng_state
+        if self.mirror is not None:
+            self.mirror.clear()
 
     def close_locked(self) -> None:
         """Wake every waiter with TableClosedError, wait for the copies in flight and release the segment.

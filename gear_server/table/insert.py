@@ -115,6 +115,8 @@ def publish_locked(core: TableCore, slot: int, prep: PreparedItem, side: SideIte
     if side is None:
         core.side.drop(slot)
         core.slots.occupy(slot, prep, seq, prep.lengths)
+        if core.mirror is not None:
+            core.mirror.committed(slot, int(core.meta.generation[slot]))
     else:
         core.slots.occupy(slot, prep, seq, 0)  # its lengths are the side item's
         core.side.put(slot, side)

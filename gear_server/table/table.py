@@ -25,6 +25,7 @@ from gear_server.table import reserve as table_reserve
 from gear_server.table import sample as table_sample
 from gear_server.table.core import Abandoned, TableCore
 from gear_server.table.fitting import regrow_locked
+from gear_server.table.gpu_mirror import GpuMirror
 from gear_server.table.items import (
     ItemToInsert,
     ReservedItem,
@@ -149,11 +150,18 @@ class Table:
             )
             if core.signature is not None:
                 info.signature.CopyFrom(core.signature.proto)
+            if core.mirror is not None:
+                info.gpu_mirror.CopyFrom(core.mirror.info())
             return info
 
     def active_leases(self) -> int:
         with self._core.lock:
             return len(self._core.slots.leases)
+
+    @property
+    def mirror(self) -> GpuMirror | None:
+        """The table's GPU-memory tier (None without ``gpu_mirror``)."""
+        return self._core.mirror
 
     def holds_other_layouts(self) -> bool:
         """Whether some items are not in the column layout (so readers by reference cannot see them)."""
@@ -332,6 +340,8 @@ class Table:
         """Wake every waiter with TableClosedError and unlink the segment."""
         with self._core.lock:
             self._core.close_locked()
+        if self._core.mirror is not None:
+            self._core.mirror.close()  # outside the lock: its thread takes it
 
     def __repr__(self) -> str:
         core = self._core

@@ -1,0 +1,221 @@
+"""The device plane: a learner on the daemon's host reads a table's GPU mirror through CUDA IPC.
+
+A table configured with ``gpu_mirror`` keeps its most recent items' rows in one
+GPU's memory (``gear_server.table.gpu_mirror``). A learner that offers
+``device`` (``DataPlaneOffer.device``) on the daemon's host gets a ``device``
+session: the OpenDataPlane answer carries the mirror's CUDA IPC handle, and
+every Select answer lists each item's mirror row (-1 where the mirror does not
+hold that item's generation). ``DeviceTierReader`` gathers a selection into one
+``[n, row_bytes]`` batch of slot rows: the mirrored items with ``cupy.take``
+from the mirror (HBM speed on the mirror's GPU, NVLink/peer reads from another
+GPU), the rest from the table segment mapped and registered with CUDA (the
+zero-copy host path of the shm plane), in the same batch. ``columns`` views the
+batch per column. The lease the Select took keeps every row it read intact;
+``release`` says whether the lease was still good (not stale).
+
+With the host stand-in backend (daemon without a GPU: ``backend = "host"``) the
+mirror is a file under /dev/shm and the same reader gathers with NumPy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from gear_client.data_planes.session import ItemSelection, PlaneSession
+from gear_client.data_planes.shm import SegmentMapping
+from gear_contract import negotiation
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
+
+IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+def row_bytes(layout: TableLayout) -> int:
+    """Bytes of one slot row (every column of one item): the layout's slot stride."""
+    return int(layout.columns[0].slot_stride) if layout.columns else 0
+
+
+def columns(rows: Any, layout: TableLayout) -> list[Any]:
+    """Per column, ``[n, max_length, *shape]`` views of a ``[n, row_bytes]`` batch (NumPy or CuPy; no copy).
+
+    Steps past an item's length are whatever its slot row holds (the lengths say which are its own).
+    """
+    out = []
+    n = rows.shape[0]
+    for col in layout.columns:
+        nbytes = int(col.step_bytes) * int(col.max_length)
+        piece = rows[:, col.offset: col.offset + nbytes]
+        out.append(piece.view(col.dtype).reshape(n, int(col.max_length), *col.shape))
+    return out
+
+
+class HostMirror:
+    """The host stand-in mirror: its file mapped read-only."""
+
+    def __init__(self, tier: pb.DeviceTier):
+        fd = os.open(tier.host_path, os.O_RDONLY)
+        try:
+            self._mmap = mmap.mmap(fd, int(tier.nbytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self._mmap, np.uint8)
+
+    def rows(self, row_size: int) -> np.ndarray:
+        return self.bytes[: (len(self.bytes) // row_size) * row_size].reshape(-1, row_size)
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
+
+
+class CudaMirror:
+    """The daemon's GPU mirror opened through CUDA IPC on the learner's GPU ``device`` (peer access if another)."""
+
+    def __init__(self, tier: pb.DeviceTier, device: int):
+        from gear_kernels.backend import require_cupy
+
+        cp = require_cupy()
+        self._cp = cp
+        self.device = device
+        self.nbytes = int(tier.nbytes)
+        with cp.cuda.Device(device):
+            self.ptr = int(cp.cuda.runtime.ipcOpenMemHandle(tier.ipc_handle, IPC_LAZY_ENABLE_PEER_ACCESS))
+            memory = cp.cuda.UnownedMemory(self.ptr, self.nbytes, self, device_id=device)
+            self.bytes = cp.ndarray((self.nbytes,), cp.uint8, cp.cuda.MemoryPointer(memory, 0))
+
+    def rows(self, row_size: int) -> Any:
+        return self.bytes[: (self.nbytes // row_size) * row_size].reshape(-1, row_size)
+
+    def close(self) -> None:
+        if self.bytes is None:
+            return
+        self.bytes = None
+        with self._cp.cuda.Device(self.device):
+            self._cp.cuda.runtime.deviceSynchronize()
+            self._cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+
+
+class DeviceTierReader:
+    """A device-plane session on one table: Select, gather (mirror + segment), Release.
+
+    ``stub``: a ``GearReplay`` stub to the daemon on this host. ``device``: the learner's CUDA GPU
+    (None: the current one). RuntimeError when the daemon does not answer with a device session
+    (the table has no mirror, or the learner is not on its host).
+    """
+
+    def __init__(self, stub: Any, table: str, *, device: int | None = None, metadata: Any = None):
+        offer = pb.DataPlaneOffer(host_id=negotiation.local_host_id(), shm=True, device=True)
+        response = stub.OpenDataPlane(pb.OpenDataPlaneRequest(table=table, offer=offer), metadata=metadata)
+        if response.kind != negotiation.DEVICE:
+            if response.session_id:
+                stub.CloseDataPlane(pb.CloseDataPlaneRequest(session_id=response.session_id), metadata=metadata)
+            raise RuntimeError(f"table '{table}': the daemon answered a {response.kind!r} session, not a device one "
+                               "(no gpu_mirror, or this learner is not on the daemon's host)")
+        self.session = PlaneSession(stub, table, response, metadata=metadata)
+        tier = response.device_tier
+        self.on_gpu = not tier.host_path
+        self._cp: Any = None
+        try:
+            if self.on_gpu:
+                from gear_kernels.backend import require_cupy
+
+                self._cp = require_cupy()
+                self.device = self._cp.cuda.Device().id if device is None else int(device)
+                self.mirror: HostMirror | CudaMirror = CudaMirror(tier, self.device)
+            else:
+                self.device = -1
+                self.mirror = HostMirror(tier)
+        except BaseException:
+            self.session.close()
+            raise
+        self.mirror_device = int(tier.device)
+        self.layout: TableLayout | None = None
+        self._mapping: SegmentMapping | None = None
+        self._registration: Any = None
+        if response.HasField("layout"):
+            self._follow(TableLayout.from_proto(response.layout))
+
+    def _follow(self, layout: TableLayout) -> None:
+        """Read ``layout``'s segment from now on."""
+        self._drop_segment()
+        self._mapping = SegmentMapping(layout)
+        self.layout = layout
+        if self.on_gpu:
+            from gear_kernels import HostRegistration
+
+            with self._cp.cuda.Device(self.device):
+                self._registration = HostRegistration(self._mapping.buffer)
+
+    def _drop_segment(self) -> None:
+        if self._registration is not None:
+            with self._cp.cuda.Device(self.device):
+                self._cp.cuda.runtime.deviceSynchronize()
+                self._registration.close()
+            self._registration = None
+        self._mapping = None
+
+    def select(self, num_samples: int, timeout: float | None = None) -> ItemSelection:
+        """Lease ``num_samples`` items (their mirror rows in ``mirror_rows``)."""
+        selection = self.session.select(num_samples, None, timeout)
+        if selection.layout is not None:
+            self._follow(selection.layout)
+        if self.layout is None:
+            raise RuntimeError("Select answered items before the table had a layout")
+        return selection
+
+    def gather(self, selection: ItemSelection, out: Any = None) -> Any:
+        """The selected items' slot rows as one ``[n, row_bytes]`` array (CuPy on the learner's GPU, else NumPy).
+
+        Mirrored items come from the mirror, the others from the segment. Read before ``release``.
+        """
+        size = row_bytes(self.layout)
+        n = len(selection)
+        rows = selection.mirror_rows if selection.mirror_rows is not None else np.full(n, -1, np.int64)
+        hit = rows >= 0
+        if not self.on_gpu:
+            out = np.empty((n, size), np.uint8) if out is None else out
+            segment = self._mapping.bytes[: self.layout.capacity * size].reshape(-1, size)
+            out[hit] = self.mirror.rows(size)[rows[hit]]
+            out[~hit] = segment[selection.slots[~hit]]
+            return out
+        cp = self._cp
+        with cp.cuda.Device(self.device):
+            out = cp.empty((n, size), cp.uint8) if out is None else out
+            mirror = self.mirror.rows(size)
+            segment = self._registration.device_array(0, self.layout.capacity * size).reshape(-1, size)
+            if hit.all():
+                cp.take(mirror, cp.asarray(rows), axis=0, out=out)
+            elif not hit.any():
+                cp.take(segment, cp.asarray(selection.slots), axis=0, out=out)
+            else:
+                where = cp.asarray(np.flatnonzero(hit))
+                out[where] = cp.take(mirror, cp.asarray(rows[hit]), axis=0)
+                where = cp.asarray(np.flatnonzero(~hit))
+                out[where] = cp.take(segment, cp.asarray(selection.slots[~hit]), axis=0)
+            return out
+
+    def release(self, selection: ItemSelection) -> bool:
+        """End the selection's lease; True when it was still good (its bytes intact), False when stale."""
+        return selection.lease_id not in self.session.release([selection.lease_id])
+
+    def close(self) -> None:
+        """Close the session, the mirror and the segment mapping. Idempotent."""
+        self.session.close()
+        if self.on_gpu:
+            with self._cp.cuda.Device(self.device):
+                self._cp.cuda.runtime.deviceSynchronize()
+        self._drop_segment()
+        self.mirror.close()
+
+    def __enter__(self) -> DeviceTierReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
