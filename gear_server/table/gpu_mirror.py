@@ -118,9 +118,12 @@ class CudaRows:
     """The mirror's buffer in GPU ``device``'s memory (one cudaMalloc, exported through CUDA IPC)."""
 
     def __init__(self, nbytes: int, device: int, table: str):
-        from gear_kernels.backend import require_cupy
+        from gear_kernels.backend import cupy_module
 
-        cp = require_cupy()
+        cp = cupy_module()
+        if cp is None:
+            raise MirrorRefused(f"table '{table}': gpu_mirror needs CuPy and a CUDA GPU on the daemon's host, and "
+                                "none is usable here")
         self._cp = cp
         self.device = device
         self.nbytes = nbytes

@@ -41,6 +41,17 @@ def test_the_daemon_picks_the_best_common_plane():
         neg.choose_plane(offer(rdma=rdma), "h", False)
 
 
+def test_the_device_plane_needs_the_offer_the_host_and_a_mirrored_table():
+    wants = offer(shm=True, device=True, host_id="h", inline=True)
+    assert neg.choose_plane(wants, "h", False, table_mirrored=True) == neg.DEVICE
+    assert neg.choose_plane(wants, "h", False, table_mirrored=False) == neg.SHM
+    assert neg.choose_plane(offer(shm=True, host_id="h"), "h", False, table_mirrored=True) == neg.SHM
+    assert neg.choose_plane(offer(device=True, host_id="x", inline=True), "h", False, table_mirrored=True) == neg.INLINE
+    assert neg.build_offer(["device", "shm"], "h", None, device=True).device
+    assert not neg.build_offer(["shm"], "h", None, device=True).device  # not allowed
+    assert not neg.build_offer(["device", "shm"], "h", None).device  # no GPU to read it with
+
+
 def test_plane_lists_are_checked_and_kept_best_first():
     assert neg.normalise_planes(None) == neg.PLANES
     assert neg.normalise_planes(["inline", "SHM"]) == ("shm", "inline")
