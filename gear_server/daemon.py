@@ -92,9 +92,14 @@ class Daemon:
         if removed:
             log.info("removed %d stale segment(s) of dead daemons: %s", len(removed), ", ".join(removed))
         tables = {}
-        for i, table_config in enumerate(self.config.tables):
-            seed = None if self.seed is None else self.seed + i
-            tables[table_config.name] = Table(table_config, self.store, seed=seed)
+        try:
+            for i, table_config in enumerate(self.config.tables):
+                seed = None if self.seed is None else self.seed + i
+                tables[table_config.name] = Table(table_config, self.store, seed=seed)
+        except BaseException:  # e.g. a GPU mirror refused: the tables built so far free their mirrors too
+            for table in tables.values():
+                table.close()
+            raise
         return self.ops.restore(tables, lambda config: Table(config, self.store, seed=self.seed))
 
     def build_service(self) -> ReplayService:

@@ -201,6 +201,17 @@ class DeviceTierReader:
                 out[where] = cp.take(segment, cp.asarray(selection.slots[~hit]), axis=0)
             return out
 
+    def segment_rows(self, slots: np.ndarray) -> Any:
+        """The slots' rows as the segment holds them (a CuPy view-and-take over the registered mapping on a
+        GPU, else NumPy): the host path alone, e.g. to check a gathered batch against it."""
+        size = row_bytes(self.layout)
+        if not self.on_gpu:
+            return self._mapping.bytes[: self.layout.capacity * size].reshape(-1, size)[np.asarray(slots)]
+        cp = self._cp
+        with cp.cuda.Device(self.device):
+            segment = self._registration.device_array(0, self.layout.capacity * size).reshape(-1, size)
+            return cp.take(segment, cp.asarray(np.asarray(slots)), axis=0)
+
     def release(self, selection: ItemSelection) -> bool:
         """End the selection's lease; True when it was still good (its bytes intact), False when stale."""
         return selection.lease_id not in self.session.release([selection.lease_id])

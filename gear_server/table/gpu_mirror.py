@@ -169,6 +169,11 @@ class CudaRows:
     def describe(self, device: int) -> pb.DeviceTier:
         return pb.DeviceTier(device=device, nbytes=self.nbytes, ipc_handle=self.handle)
 
+    def device_array(self) -> Any:
+        """The whole buffer as a CuPy uint8 array on the mirror's GPU (no copy)."""
+        cp = self._cp
+        return cp.ndarray((self.nbytes,), cp.uint8, cp.cuda.MemoryPointer(self._memory, 0))
+
     def _unregister(self) -> None:
         if self._registration is not None:
             self._registration.close()

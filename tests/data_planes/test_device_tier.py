@@ -101,29 +101,6 @@ def test_a_learner_without_device_gets_shm_and_an_unmirrored_table_no_device_ses
         daemon.stop()
 
 
-LEARNER = """
-import json, sys, grpc
-from gear_client.data_planes.device import DeviceTierReader, columns
-from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from tests.support.trajectories import item_ok
-stub = pb_grpc.ReplayServiceStub(grpc.insecure_channel(sys.argv[1]))
-items = bad = mirrored = stale = 0
-with DeviceTierReader(stub, "t") as reader:
-    for _ in range(int(sys.argv[2])):
-        sel = reader.select(16)
-        batch = reader.gather(sel)
-        action, obs, reward = columns(batch, reader.layout)
-        ok = reader.release(sel)
-        stale += not ok
-        if not ok:
-            continue
-        for i in range(len(sel)):
-            n = int(sel.lengths[i, 0])
-            bad += not item_ok(action[i, :n], obs[i, :n], reward[i, :n]) or int(action[i, 0]) != int(sel.infos[0][i])
-        items += len(sel)
-        mirrored += int((sel.mirror_rows >= 0).sum())
-print(json.dumps({"items": items, "bad": bad, "mirrored": mirrored, "stale": stale}))
-"""
 
 
 def test_no_torn_item_from_another_process_under_insert_churn():
@@ -133,12 +110,13 @@ def test_no_torn_item_from_another_process_under_insert_churn():
         fill(table, 32, length=LENGTH, dim=DIM)
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         with Churn(table, length=LENGTH, dim=DIM):
-            out = subprocess.run([sys.executable, "-c", LEARNER, f"localhost:{daemon.port}", "150"], env=env,
+            out = subprocess.run([sys.executable, "-m", "tests.support.device_learner", f"localhost:{daemon.port}",
+                                  "t", "150"], env=env, cwd=ROOT,
                                  capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["bad"] == 0
-        assert result["items"] >= 16 * 100 and result["mirrored"] > 0
+        assert result["items"] >= 16 * 100 and result["mirrored"] > 0 and result["bytes_differ"] == 0
     finally:
         daemon.stop()
 
