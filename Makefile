@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks
+.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu
 
 install: $(STAMP)
 
@@ -73,6 +73,10 @@ test-gpu:
 
 bench-gpu:
 	$(GPU_ENV) $(PYTHON) bench/bench_gpu.py
+
+# The device tier (a table mirrored in GPU memory, read through CUDA IPC): same GPU, peer GPU, insert cost, churn.
+bench-tier-gpu:
+	$(GPU_ENV) $(PYTHON) bench/bench_tier.py
 
 # Learner data planes end to end; on the GPU machine with shm into GPU memory.
 bench-planes-gpu:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gear_client.data_planes.session import ItemSelection, PlaneSession
+from gear_client.data_planes.session import ItemSelection, PendingSelect, PlaneSession
 from gear_client.data_planes.shm import SegmentMapping
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
@@ -163,7 +163,14 @@ class DeviceTierReader:
 
     def select(self, num_samples: int, timeout: float | None = None) -> ItemSelection:
         """Lease ``num_samples`` items (their mirror rows in ``mirror_rows``)."""
-        selection = self.session.select(num_samples, None, timeout)
+        return self.accept(self.session.select(num_samples, None, timeout))
+
+    def select_async(self, num_samples: int, release: list[int] | None = None) -> PendingSelect:
+        """Send a Select (ending ``release`` leases first) without waiting; ``accept`` its result's selection."""
+        return self.session.select_async(num_samples, None, None, list(release or ()))
+
+    def accept(self, selection: ItemSelection) -> ItemSelection:
+        """Follow the layout a Select answer brings (call it on every selection before ``gather``)."""
         if selection.layout is not None:
             self._follow(selection.layout)
         if self.layout is None:

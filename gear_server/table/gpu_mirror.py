@@ -383,10 +383,11 @@ class GpuMirror:
         with st.lock, self._lock:
             if row_bytes != self.row_bytes:
                 return  # relaid meanwhile: these rows were dropped
+            meta = st.meta  # (growth replaces the arrays, keeping their values; reset and restore clear the rows)
             for slot, row, generation in pairs:
                 if self.row_slot[row] != slot:
                     continue
-                if meta is st.meta and meta.valid[slot] and int(meta.generation[slot]) == generation:
+                if meta.valid[slot] and int(meta.generation[slot]) == generation:
                     self.row_generation[row] = generation
                     self.copied_items += 1
                 else:  # rewritten (or the table's slots were rebuilt) while we copied: not trustworthy

@@ -15,6 +15,7 @@ import pytest
 
 from gear_client.data_planes.device import columns
 from gear_contract._proto import replay_pb2 as pb
+from gear_server.table.fitting import next_capacity_locked, regrow_locked
 from gear_server.table.gpu_mirror import MirrorRefused
 from gear_server.table.table import Table
 from tests.support.tables import config, item
@@ -72,6 +73,33 @@ def test_whole_table_mirrored_and_every_row_matches_its_item(store):
         assert (rows >= 0).all()
         assert check_rows(table, rows, selection.keys) == 0
         table.release(selection.lease_id)
+    finally:
+        table.close()
+
+
+def test_every_item_is_mirrored_while_the_table_grows(store):
+    """The table's capacity grows (its metadata arrays replaced) while the mirror copies a batch."""
+    table = mirrored_table(store, rows=600, max_size=500)
+    copy = table.mirror.rows_buffer.write
+    grown: list[int] = []
+
+    def copy_while_growing(*args) -> None:
+        if not grown:
+            grown.append(table.capacity)
+            for k in range(2, 201):
+                table.insert(item(k))
+            core = table._core
+            with core.lock:  # the growth inserts take when no slot is free
+                regrow_locked(core, next_capacity_locked(core), None)
+            grown.append(table.capacity)
+        copy(*args)
+
+    table.mirror.rows_buffer.write = copy_while_growing
+    try:
+        table.insert(item(1))
+        assert table.mirror.flush(10)
+        assert grown[1] > grown[0]
+        assert mirrored_keys(table) == set(range(1, 201))
     finally:
         table.close()
 
