@@ -162,12 +162,13 @@ def gather_rate(reader: DeviceTierReader, selections: list, reps: int) -> float:
 
 
 def take_ceiling(device: int, rows: int, row_bytes: int, indices: list[np.ndarray], reps: int) -> float:
-    """GB/s of ``cupy.take`` of the same row indices from a local [rows, row_bytes] device array."""
+    """GB/s of ``cupy.take`` of the same row indices from a local [rows, row_bytes] device array (8-byte words,
+    as the reader moves them)."""
     import cupy as cp
 
     with cp.cuda.Device(device):
-        table = cp.ones((rows, row_bytes), cp.uint8)
-        out = cp.empty((BATCH, row_bytes), cp.uint8)
+        table = cp.ones((rows, row_bytes // 8), cp.uint64)
+        out = cp.empty((BATCH, row_bytes // 8), cp.uint64)
         idx = [cp.asarray(i) for i in indices]
         for i in idx[:2]:
             cp.take(table, i, axis=0, out=out)

@@ -195,17 +195,19 @@ class DeviceTierReader:
         cp = self._cp
         with cp.cuda.Device(self.device):
             out = cp.empty((n, size), cp.uint8) if out is None else out
-            mirror = self.mirror.rows(size)
-            segment = self._registration.device_array(0, self.layout.capacity * size).reshape(-1, size)
+            # Rows are moved as 8-byte words (a row is a multiple of 128 bytes): one load per word, not per byte.
+            words = out.view(cp.uint64)
+            mirror = self.mirror.rows(size).view(cp.uint64)
+            segment = self._registration.device_array(0, self.layout.capacity * size).reshape(-1, size).view(cp.uint64)
             if hit.all():
-                cp.take(mirror, cp.asarray(rows), axis=0, out=out)
+                cp.take(mirror, cp.asarray(rows), axis=0, out=words)
             elif not hit.any():
-                cp.take(segment, cp.asarray(selection.slots), axis=0, out=out)
+                cp.take(segment, cp.asarray(selection.slots), axis=0, out=words)
             else:
                 where = cp.asarray(np.flatnonzero(hit))
-                out[where] = cp.take(mirror, cp.asarray(rows[hit]), axis=0)
+                words[where] = cp.take(mirror, cp.asarray(rows[hit]), axis=0)
                 where = cp.asarray(np.flatnonzero(~hit))
-                out[where] = cp.take(segment, cp.asarray(selection.slots[~hit]), axis=0)
+                words[where] = cp.take(segment, cp.asarray(selection.slots[~hit]), axis=0)
             return out
 
     def segment_rows(self, slots: np.ndarray) -> Any:
