@@ -218,8 +218,8 @@ class GpuMirror:
         """An item was published in ``slot``: queue it for copying (only the newest ``num_rows`` matter)."""
         with self._wake:
             self._pending.append((slot, generation))
-            if self.num_rows and len(self._pending) > max(self.num_rows, MAX_BATCH_ITEMS):
-                self._pending.popleft()  # older than every row could hold
+            if len(self._pending) > max(self.num_rows, MAX_BATCH_ITEMS):
+                self._pending.popleft()  # older than every row could hold (those are read from the segment)
             self._wake.notify_all()
 
     def removed(self, slot: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -163,6 +164,29 @@ def test_server_option_reaches_the_daemon():
         assert client.server_info()["t"].gpu_mirror.budget_bytes == 1 << 20
     finally:
         server.stop()
+
+
+def docs_recipe() -> str:
+    text = (ROOT / "docs" / "DATA_PLANES.md").read_text()
+    return re.search(r"<!-- recipe: device -->\n```python\n(.*?)^```", text, re.S | re.M).group(1)
+
+
+def run_recipe(code: str, folder) -> str:
+    script = folder / "recipe.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_the_docs_recipe_runs_on_the_host_stand_in(tmp_path):
+    """The recipe as written needs a GPU (test_device_tier_gpu.py runs it); here with backend "host"."""
+    code = docs_recipe()
+    assert code.count('"bytes": "1GiB"}') == 1
+    assert run_recipe(code.replace('"bytes": "1GiB"}', '"bytes": "1GiB", "backend": "host"}'),
+                      tmp_path) == "(32, 1, 64, 1024) True"
 
 
 @pytest.mark.parametrize(("mirror", "message"), [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,3 +121,15 @@ def test_a_budget_the_gpu_cannot_hold_is_refused_at_start():
         config = mirrored(64, rows=4)
         config.gpu_mirror.device = gpu_count()
         start_daemon(config)
+
+
+def test_the_docs_recipe_runs_as_written(tmp_path):
+    text = (ROOT / "docs" / "DATA_PLANES.md").read_text()
+    code = re.search(r"<!-- recipe: device -->\n```python\n(.*?)^```", text, re.S | re.M).group(1)
+    script = tmp_path / "recipe.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(32, 1, 64, 1024) True"
