@@ -215,10 +215,12 @@ class GpuMirror:
 
     # ------------------------------------------------------------------ hooks (table lock held)
     def committed(self, slot: int, generation: int) -> None:
-        """An item was published in ``slot``: queue it for copying (only the newest ``num_rows`` matter)."""
+        """An item was published in ``slot``: queue it for copying (only as many of the newest as rows fit)."""
+        layout = self._st.columns.layout
+        fit = self.spec.budget_bytes // layout.columns[0].slot_stride if layout is not None and layout.columns else 0
         with self._wake:
             self._pending.append((slot, generation))
-            if len(self._pending) > max(self.num_rows, MAX_BATCH_ITEMS):
+            if len(self._pending) > max(fit, MAX_BATCH_ITEMS):
                 self._pending.popleft()  # older than every row could hold (those are read from the segment)
             self._wake.notify_all()
 
