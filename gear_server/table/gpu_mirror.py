@@ -1,7 +1,7 @@
 """A table's GPU-memory tier: its most recent items' rows kept in one GPU's memory.
 
 The mirror holds ``budget // row_bytes`` rows (the row is the segment's slot
-row, ``row_layout``), in one buffer allocated at the budget when the table is
+row, ``row_layout``; at most ``max_size + spare``), in one buffer allocated at the budget when the table is
 created, so a GPU that cannot hold it is refused at start. Committed items are
 queued (``committed``, under the table's lock: an append); a mirror thread
 takes them in batches, gives each a row (a free one, else the row of the oldest
@@ -293,9 +293,11 @@ class GpuMirror:
 
     # ------------------------------------------------------------------ internals (self._lock held)
     def _set_rows(self, row_bytes: int) -> None:
-        """Lay the buffer out in rows of ``row_bytes`` (every row free)."""
+        """Lay the buffer out in rows of ``row_bytes`` (every row free): as many as the budget holds, at most
+        ``max_size + spare`` (the slots a table holds but while leases pin deleted items)."""
         self.row_bytes = row_bytes
-        self.num_rows = self.spec.budget_bytes // row_bytes if row_bytes else 0
+        fit = self.spec.budget_bytes // row_bytes if row_bytes else 0
+        self.num_rows = min(fit, self._st.max_size + self._st.spare)
         self.row_slot = np.full(self.num_rows, -1, np.int64)
         self.row_generation = np.zeros(self.num_rows, np.uint64)
         self.slot_row = np.full(len(self.slot_row), -1, np.int64)
