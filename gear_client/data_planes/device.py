@@ -19,6 +19,7 @@ mirror is a file under /dev/shm and the same reader gathers with NumPy.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from gear_client.data_planes.session import ItemSelection, PendingSelect, PlaneSession
-from gear_client.data_planes.shm import SegmentMapping
+from gear_client.data_planes.shm import SegmentMapping, ShmPlane, gpu_index
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
@@ -82,7 +83,7 @@ class CudaMirror:
         from gear_kernels.backend import require_cupy
 
         cp = require_cupy()
-        self._cp = cp
+        self.cp = cp
         self.device = device
         self.nbytes = int(tier.nbytes)
         with cp.cuda.Device(device):
@@ -97,9 +98,70 @@ class CudaMirror:
         if self.bytes is None:
             return
         self.bytes = None
-        with self._cp.cuda.Device(self.device):
-            self._cp.cuda.runtime.deviceSynchronize()
-            self._cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+        with self.cp.cuda.Device(self.device):
+            self.cp.cuda.runtime.deviceSynchronize()
+            self.cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+
+
+@dataclasses.dataclass(frozen=True)
+class MirrorSource:
+    """The mirror as a source for the gather kernel (what a ``HostRegistration`` gives it: a pointer, a size).
+
+    ``size`` adds one row to the buffer's: a layout's ``segment_size`` counts its last column's offset past the
+    last row, but the kernel reads only inside rows ``[0, capacity)``.
+    """
+
+    device_ptr: int
+    size: int
+
+
+class DevicePlane(ShmPlane):
+    """The device plane for ``PlaneSampler`` (a learner with ``device="cuda"``): the shm plane's GPU gather,
+    with each batch's mirrored items read from the mirror (the same kernel, rows for slots) and the rest
+    from the registered segment, joined on the device. GPU only."""
+
+    kind = negotiation.DEVICE
+
+    def __init__(self, session: PlaneSession, layout: TableLayout | None, tier: pb.DeviceTier, *, device: Any,
+                 columns: Any = None):
+        if tier.host_path:
+            raise RuntimeError("the daemon's mirror is its host stand-in: use the shm plane")
+        super().__init__(session, layout, device=device, columns=columns)
+        if not self._gpu:
+            raise RuntimeError("the device plane reads into GPU memory: give the sampler device='cuda'")
+        self.mirror = CudaMirror(tier, gpu_index(device))
+
+    def _gather_batch(self, layout: TableLayout, selection: ItemSelection, lengths: np.ndarray, windows) -> Any:
+        from gear_kernels.gather import Batch, GatherPlan
+
+        rows = selection.mirror_rows
+        hit = rows >= 0 if rows is not None else np.zeros(len(selection), bool)
+        if not hit.any():
+            return super()._gather_batch(layout, selection, lengths, windows)
+        size = row_bytes(layout)
+        mirror_layout = dataclasses.replace(layout, capacity=self.mirror.nbytes // size)
+        source = MirrorSource(self.mirror.ptr, self.mirror.nbytes + size)
+        if hit.all():
+            return GatherPlan(mirror_layout, source, rows, lengths, windows).launch()
+        cp = self.mirror.cp
+        mirrored = GatherPlan(mirror_layout, source, rows[hit], lengths[hit], windows).launch()
+        rest = dataclasses.replace(selection, slots=selection.slots[~hit])
+        segment = super()._gather_batch(layout, rest, lengths[~hit], windows)
+        at_hit, at_rest = cp.asarray(np.flatnonzero(hit)), cp.asarray(np.flatnonzero(~hit))
+        columns = []
+        for a, b in zip(mirrored.columns, segment.columns, strict=True):
+            joined = cp.empty((len(hit), *a.shape[1:]), a.dtype)
+            joined[at_hit] = a
+            joined[at_rest] = b
+            columns.append(joined)
+        joined_lengths = cp.empty((len(hit), mirrored.lengths.shape[1]), cp.int32)
+        joined_lengths[at_hit] = mirrored.lengths
+        joined_lengths[at_rest] = segment.lengths
+        return Batch(columns, joined_lengths, None, mirrored.column_indices)
+
+    def close(self) -> None:
+        super().close()
+        self.mirror.close()
 
 
 class DeviceTierReader:

@@ -1,7 +1,8 @@
 """Opening one table's data plane: offer the planes allowed, build the one the daemon picks, fall back.
 
-The learner offers shm, rdma and inline as allowed and available (rdma with the
-endpoint of a connection made for it); the daemon answers with one. A plane
+The learner offers device (when its batches go to a GPU), shm, rdma and inline as
+allowed and available (rdma with the endpoint of a connection made for it); the
+daemon answers with one. A plane
 that cannot come up here (segment not openable, RDMA connection refused) is
 excluded and the next best negotiated, until one comes up or none is left.
 """
@@ -86,7 +87,8 @@ class PlaneOpener:
         while True:
             allowed = self._allowed(excluded)
             conn = self._rdma_connection(allowed)
-            offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None)
+            offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None,
+                                            device=self._reads_gpu_mirrors())
             try:
                 if self.daemon is not None:
                     self.daemon.wait_ready("sample")
@@ -133,8 +135,22 @@ class PlaneOpener:
                 continue
             return OpenedPlane(reader, None, session, layout)
 
+    def _reads_gpu_mirrors(self) -> bool:
+        """Whether to offer the device plane: batches go to a GPU here (and this is no rank of a group)."""
+        from gear_client.data_planes.shm import is_gpu_device
+
+        if self.group is not None or not is_gpu_device(self.device):
+            return False
+        from gear_kernels import gpu_available
+
+        return gpu_available()
+
     def _build(self, response: pb.OpenDataPlaneResponse, session: PlaneSession, layout: TableLayout | None,
                conn) -> ReadingPlane:
+        if response.kind == negotiation.DEVICE:
+            from gear_client.data_planes.device import DevicePlane
+
+            return DevicePlane(session, layout, response.device_tier, device=self.device, columns=self.columns)
         if response.kind == negotiation.SHM:
             from gear_client.data_planes.shm import ShmPlane
 

@@ -240,7 +240,7 @@ class ShmPlane:
                                 layout.structure, squeeze, plane=self.kind)
 
         if self._gpu:
-            columns, event = self._gather_gpu(layout, selection.slots, lengths, windows)
+            columns, event = self._gather_gpu(layout, selection, lengths, windows)
             self.bytes_moved += int(sum(int(bounds[1][:, c].sum()) * col.step_bytes
                                        for c, col in enumerate(layout.columns)))
             return Pending(lambda: (event.synchronize(), done(columns))[1])  # waits for this batch alone
@@ -264,7 +264,7 @@ class ShmPlane:
         if self._worker is None and not self._gpu:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="gear-shm-gather")
 
-    def _gather_gpu(self, layout: TableLayout, slots: np.ndarray, lengths: np.ndarray,
+    def _gather_gpu(self, layout: TableLayout, selection, lengths: np.ndarray,
                     windows) -> tuple[list[Any], Any]:
         import gear_kernels
 
@@ -278,13 +278,19 @@ class ShmPlane:
             queued.record(cp.cuda.get_current_stream())
             stream.wait_event(queued)  # the memory reused below may be a batch the learner's queued work reads
             with stream:  # inputs, output and kernel of this batch in its own stream's order
-                result = gear_kernels.gather(layout, self._registration, slots, lengths.astype(np.int32), windows)
+                result = self._gather_batch(layout, selection, lengths.astype(np.int32), windows)
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)  # the bytes are in when this fires
         columns = []
         for col, arr in zip(layout.columns, result.columns, strict=True):
             columns.append(arr.reshape((arr.shape[0], *col.shape)) if col.squeeze else arr)
         return columns, event
+
+    def _gather_batch(self, layout: TableLayout, selection, lengths: np.ndarray, windows) -> Any:
+        """The gather kernel's batch of ``selection`` from the registered segment (on the current stream)."""
+        import gear_kernels
+
+        return gear_kernels.gather(layout, self._registration, selection.slots, lengths, windows)
 
     def _unmap(self) -> None:
         if self._registration is not None:

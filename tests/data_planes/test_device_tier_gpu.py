@@ -42,9 +42,9 @@ def mirrored(max_size: int, rows: int | None = None, budget: int | None = None) 
     return config
 
 
-def learner(port: int, batches: int, device: int | None = None) -> dict[str, int]:
+def learner(port: int, batches: int, device: int | None = None, mode: str = "reader") -> dict[str, int]:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    args = [sys.executable, "-m", "tests.support.device_learner", f"localhost:{port}", "t", str(batches)]
+    args = [sys.executable, "-m", "tests.support.device_learner", mode, f"localhost:{port}", "t", str(batches)]
     out = subprocess.run(args + ([str(device)] if device is not None else []), env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -93,6 +93,20 @@ def test_ipc_open_from_another_process_under_churn():
             result = learner(daemon.port, 200, device=0)
         assert result["bad"] == 0 and result["bytes_differ"] == 0
         assert result["items"] >= 16 * 150 and result["mirrored"] > 0
+    finally:
+        daemon.stop()
+
+
+def test_plane_sampler_into_gpu_memory_negotiates_the_device_plane():
+    """PlaneSampler(device="cuda") in another process reads the mirror (and the segment for the rest) under churn."""
+    daemon = start_daemon(mirrored(64, rows=40))  # 40 of the 64 items mirrored: batches mix both sources
+    try:
+        table = daemon.tables["t"]
+        fill(table, 64, length=LENGTH, dim=DIM)
+        assert table.mirror.flush(10)
+        with Churn(table, length=LENGTH, dim=DIM):
+            result = learner(daemon.port, 100, device=0, mode="sampler")
+        assert result == {"kind": "device", "items": 1600}
     finally:
         daemon.stop()
 

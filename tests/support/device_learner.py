@@ -1,4 +1,7 @@
-"""A device-plane learner process: ``python -m tests.support.device_learner ADDRESS TABLE BATCHES [GPU]``.
+"""A device-plane learner process: ``python -m tests.support.device_learner reader|sampler ADDRESS TABLE BATCHES [GPU]``.
+
+``sampler``: batches of 16 from ``PlaneSampler(device="cuda:GPU")``, each item checked against its checksum
+and key (``check_batch``); prints the plane's kind and the items checked.
 
 Selects batches of 16 through ``DeviceTierReader`` (on GPU ``GPU`` when given, else the reader's
 default), checks every item of each batch whose lease was still good against its checksum and key,
@@ -10,13 +13,14 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import grpc
 import numpy as np
 
 from gear_client.data_planes.device import DeviceTierReader, columns
 from gear_contract._proto import replay_pb2_grpc as pb_grpc
-from tests.support.trajectories import item_ok
+from tests.support.trajectories import check_batch, item_ok
 
 
 def run(address: str, table: str, batches: int, device: int | None) -> dict[str, int]:
@@ -54,6 +58,37 @@ def segment_differences(reader: DeviceTierReader, selection, batch) -> int:
         return int(cp.count_nonzero(cp.any(expected != batch, axis=1)))
 
 
+def run_sampler(address: str, table: str, batches: int, device: int) -> dict[str, Any]:
+    from gear_client.data_planes.sampler import PlaneSampler
+
+    sampler = PlaneSampler(address, table, device=f"cuda:{device}")
+    items = 0
+    try:
+        for batch in sampler.batches(16, depth=2):
+            host = HostBatch(batch)
+            items += check_batch(host)
+            if items >= batches * 16:
+                break
+        return {"kind": sampler.kind, "items": items}
+    finally:
+        sampler.close()
+
+
+class HostBatch:
+    """A SampledBatch's columns copied to the host, for ``check_batch``."""
+
+    def __init__(self, batch: Any):
+        self.columns = [c.get() for c in batch.columns]
+        self.lengths, self.keys = batch.lengths, batch.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 if __name__ == "__main__":
-    gpu = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    print(json.dumps(run(sys.argv[1], sys.argv[2], int(sys.argv[3]), gpu)))
+    mode, address, table, batches = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    gpu = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    if mode == "sampler":
+        print(json.dumps(run_sampler(address, table, batches, gpu or 0)))
+    else:
+        print(json.dumps(run(address, table, batches, gpu)))
