@@ -103,6 +103,18 @@ class CudaMirror:
             self.cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
+def windows_of(windows: list[Any], mask: np.ndarray) -> list[Any]:
+    """The windows of the items ``mask`` picks: per-item starts cut to them, the rest as they are."""
+    out = []
+    for w in windows:
+        if np.ndim(w.start) == 0:
+            out.append(w)
+        else:
+            starts = w.start.get() if hasattr(w.start, "get") else np.asarray(w.start)
+            out.append(dataclasses.replace(w, start=starts[mask]))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class MirrorSource:
     """The mirror as a source for the gather kernel (what a ``HostRegistration`` gives it: a pointer, a size).
@@ -144,9 +156,9 @@ class DevicePlane(ShmPlane):
         if hit.all():
             return GatherPlan(mirror_layout, source, rows, lengths, windows).launch()
         cp = self.mirror.cp
-        mirrored = GatherPlan(mirror_layout, source, rows[hit], lengths[hit], windows).launch()
+        mirrored = GatherPlan(mirror_layout, source, rows[hit], lengths[hit], windows_of(windows, hit)).launch()
         rest = dataclasses.replace(selection, slots=selection.slots[~hit])
-        segment = super()._gather_batch(layout, rest, lengths[~hit], windows)
+        segment = super()._gather_batch(layout, rest, lengths[~hit], windows_of(windows, ~hit))
         at_hit, at_rest = cp.asarray(np.flatnonzero(hit)), cp.asarray(np.flatnonzero(~hit))
         columns = []
         for a, b in zip(mirrored.columns, segment.columns, strict=True):

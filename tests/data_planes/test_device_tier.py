@@ -245,3 +245,14 @@ gpu_mirror = {{ device = 0, bytes = "1GiB" }}
         assert "gpu_mirror needs CuPy and a CUDA GPU" in daemon.log
     finally:
         daemon.close()
+
+
+def test_windows_of_a_batch_part_keep_their_items_starts():
+    """A device batch is gathered in two parts (mirror, segment): per-item window starts follow their items."""
+    from gear_client.data_planes.device import windows_of
+    from gear_kernels import Window
+
+    windows = [Window(4, np.arange(5), "head"), Window(2, -1)]
+    part = windows_of(windows, np.array([True, False, True, False, True]))
+    assert part[0].start.tolist() == [0, 2, 4] and (part[0].length, part[0].pad) == (4, "head")
+    assert part[1] is windows[1]
