@@ -60,7 +60,24 @@ def restore_table(table: Any, state: TableState) -> None:
 
 
 def _differences(a: pb.TableConfig, b: pb.TableConfig) -> list[str]:
-    return [f.name for f in pb.TableConfig.DESCRIPTOR.fields if getattr(a, f.name) != getattr(b, f.name)]
+    return [f.name for f in pb.TableConfig.DESCRIPTOR.fields
+            if f.name not in PLACEMENT_FIELDS and getattr(a, f.name) != getattr(b, f.name)]
+
+
+# Where a table's items live besides its segment: the configured choice, not the checkpoint's.
+PLACEMENT_FIELDS = ("gpu_mirror",)
+
+
+def restored_config(checkpointed: pb.TableConfig, configured: pb.TableConfig | None) -> pb.TableConfig:
+    """The config a restored table is built with: the checkpoint's, with the configured placement (gpu_mirror)."""
+    config = pb.TableConfig()
+    config.CopyFrom(checkpointed)
+    if configured is not None:
+        for name in PLACEMENT_FIELDS:
+            config.ClearField(name)
+            if configured.HasField(name):
+                getattr(config, name).CopyFrom(getattr(configured, name))
+    return config
 
 
 class Operations:
@@ -127,19 +144,26 @@ class Operations:
 
         def apply(path: Path, states: list[TableState]) -> dict[str, Any]:
             built: dict[str, Any] = {}
+            freed: list[str] = []  # configured tables closed first: their GPU mirror's memory is taken again
             try:
                 for state in states:
                     name = state.config.name
                     configured = tables.get(name)
-                    if configured is not None and state.config != configured.config:
+                    differences = _differences(state.config, configured.config) if configured is not None else []
+                    if differences:
                         log.warning("table '%s': restored with its checkpointed config (differs from the "
-                                    "configured one in %s)", name, ", ".join(_differences(state.config,
-                                                                                         configured.config)))
-                    built[name] = make_table(state.config)
+                                    "configured one in %s)", name, ", ".join(differences))
+                    config = restored_config(state.config, configured.config if configured is not None else None)
+                    if configured is not None and configured.mirror is not None:
+                        configured.close()
+                        freed.append(name)
+                    built[name] = make_table(config)
                     restore_table(built[name], state)
             except BaseException:
                 for table in built.values():
                     table.close()
+                for name in freed:  # serve the configured (empty) table again if this checkpoint is not used
+                    tables[name] = make_table(tables[name].config)
                 raise
             return built
 

@@ -277,8 +277,10 @@ class TableCore:
         rng_state = s.get("rng")
         if rng_state and rng_state.get("bit_generator") == self.rng.bit_generator.state["bit_generator"]:
             self.rng.bit_generator.state = rng_state
-        if self.mirror is not None:
+        if self.mirror is not None:  # the restored items, newest last, are copied as if just inserted
             self.mirror.clear()
+            slots = self.slots.occupied_in_insert_order()
+            self.mirror.committed_many(slots, self.meta.generation[slots])
 
     def close_locked(self) -> None:
         """Wake every waiter with TableClosedError, wait for the copies in flight and release the segment.

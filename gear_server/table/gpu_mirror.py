@@ -224,6 +224,17 @@ class GpuMirror:
                 self._pending.popleft()  # older than every row could hold (those are read from the segment)
             self._wake.notify_all()
 
+    def committed_many(self, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Items already in ``slots`` (oldest first; a restored table's): queue the newest that fit the rows."""
+        layout = self._st.columns.layout
+        fit = self.spec.budget_bytes // layout.columns[0].slot_stride if layout is not None and layout.columns else 0
+        keep = max(fit, MAX_BATCH_ITEMS)
+        with self._wake:
+            self._pending.extend(zip(slots[-keep:].tolist(), generations[-keep:].tolist(), strict=True))
+            while len(self._pending) > keep:
+                self._pending.popleft()
+            self._wake.notify_all()
+
     def removed(self, slot: int) -> None:
         """The item in ``slot`` went: free its row unless a lease still holds the slot."""
         with self._lock:

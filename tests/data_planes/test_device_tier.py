@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 
 import grpc
@@ -151,6 +152,48 @@ port = {port}
         assert value(scraped, "gear_gpu_mirror_items", table="t", device="0") <= 5
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_checkpoint_restores_into_the_configured_mirror(tmp_path):
+    """The checkpoint keeps the table's items and selector config; the mirror is the configured one."""
+    def config(budget: str) -> str:
+        return f"""
+instance_name = "tier{uuid.uuid4().hex[:8]}"
+port = 0
+[[tables]]
+name = "t"
+max_size = 100
+sampler = "uniform"
+remover = "fifo"
+rate_limiter = {{ min_size = 1 }}
+gpu_mirror = {{ device = 0, bytes = "{budget}", backend = "host" }}
+[checkpoint]
+dir = "{tmp_path / 'checkpoints'}"
+on_stop = false
+"""
+
+    first = DaemonProcess(tmp_path, config("1MiB"), "first")
+    try:
+        first.wait_ready()
+        client = gear_client.Client(first.address)
+        for i in range(20):
+            client.insert([np.full(16, i, np.float32)], {"t": 1.0})
+        client.checkpoint()
+    finally:
+        assert first.stop() == 0
+    second = DaemonProcess(tmp_path, config("2MiB"), "second")
+    try:
+        second.wait_ready()
+        client = gear_client.Client(second.address)
+        deadline = time.monotonic() + 30
+        while client.server_info()["t"].gpu_mirror.mirrored_items < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = client.server_info()["t"]
+        assert info.current_size == 20
+        assert info.gpu_mirror.budget_bytes == 2 << 20 and info.gpu_mirror.mirrored_items == 20
+        assert "differs from the configured one" not in second.log  # placement is no config difference
+    finally:
+        assert second.stop() == 0
 
 
 def test_server_option_reaches_the_daemon():

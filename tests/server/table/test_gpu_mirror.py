@@ -230,6 +230,27 @@ def test_no_torn_item_under_insert_churn(store):
     assert checked > 100
 
 
+def test_a_restored_table_mirrors_its_items(store):
+    source = mirrored_table(store, rows=64, max_size=50)
+    try:
+        for k in range(1, 31):
+            source.insert(item(k))
+        snapshot = source.snapshot()
+    finally:
+        source.close()
+    table = mirrored_table(store, rows=10, max_size=50)
+    try:
+        table.restore(snapshot)
+        assert table.mirror.flush(5)
+        assert mirrored_keys(table) == set(range(21, 31))  # the 10 most recent
+        selection = table.sample(50)
+        rows = table.mirror.rows_for(selection.slots, selection.generations, row_size(table))
+        assert check_rows(table, rows[rows >= 0], selection.keys[rows >= 0]) == 0
+        table.release(selection.lease_id)
+    finally:
+        table.close()
+
+
 def test_a_bad_mirror_config_is_refused(store):
     cfg = config()
     cfg.gpu_mirror.CopyFrom(pb.GpuMirror(device=0, bytes=1 << 20, backend="tpu"))
