@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu
+.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu bench-remote
 
 install: $(STAMP)
 
@@ -133,6 +133,11 @@ bench-connect: install
 
 # The control plane: 1,000 open writer streams on one daemon, RSS per stream, mutate and Select
 # latency (Reverb's mutate side by side when .venv-reverb exists).
+# Remote learners and actors over TCP streams against the TCP ceiling of the same link (a veth pair into a
+# network namespace when run as root, and loopback); the lead adds DEVICE=cuda on the GPU machine.
+bench-remote: install
+	$(VPY) bench/bench_remote.py $(if $(DEVICE),--device $(DEVICE))
+
 bench-streams: install
 	$(VPY) bench/bench_streams.py
 

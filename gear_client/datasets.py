@@ -92,7 +92,7 @@ class TrajectoryDataset(_iterable_dataset_base()):
     ``rate_limiter_timeout_ms``: end the iteration when no item could be sampled
     for that long (-1: wait forever, as Reverb). ``max_samples``: end after that
     many items (-1: never). ``planes``: restrict the data planes to try
-    ("shm", "rdma", "inline"). ``output``: None (NumPy / CuPy as the device says),
+    ("shm", "rdma", "stream", "inline"). ``output``: None (NumPy / CuPy as the device says),
     "torch" or "jax". ``prefetch``: batches kept ready ahead of the learner, on
     tables that may be read ahead.
 
@@ -327,7 +327,7 @@ class TrajectoryDataset(_iterable_dataset_base()):
 
     @property
     def plane(self) -> str | None:
-        """The data plane in use ("shm", "rdma" or "inline"); after close, the last one used."""
+        """The data plane in use ("shm", "rdma", "stream" or "inline"); after close, the last one used."""
         kind = self._sampler.kind if self._sampler is not None else None
         return kind or self.plane_kind
 

@@ -8,7 +8,9 @@ The daemon answers with the best plane both sides can use, in this order:
    the table has a GPU mirror; else ``shm`` when the learner is on the daemon's host (same
    host identity),
 2. ``rdma`` when both sides have an RDMA device,
-3. ``inline`` otherwise (bytes in gRPC messages).
+3. ``stream`` when the daemon serves TCP bulk streams (windows sent with
+   ``sendfile`` on several connections; another host without RDMA),
+4. ``inline`` otherwise (bytes in gRPC messages).
 
 Host identity: two processes can share the daemon's segments only when they run
 on the same kernel (boot id). The network namespace counts too: a learner in
@@ -31,8 +33,9 @@ from gear_contract._proto import replay_pb2 as pb
 DEVICE = "device"
 SHM = "shm"
 RDMA = "rdma"
+STREAM = "stream"
 INLINE = "inline"
-PLANES = (DEVICE, SHM, RDMA, INLINE)  # best first
+PLANES = (DEVICE, SHM, RDMA, STREAM, INLINE)  # best first
 
 # Pins the host identity (e.g. two containers that share /dev/shm and should use it).
 ENV_HOST_ID = "GEAR_HOST_ID"
@@ -97,14 +100,14 @@ def build_offer(planes: Iterable[str], host_id: str, rdma_endpoint: pb.RdmaEndpo
     """The learner's offer: the allowed planes it can actually use (``device``: it reads GPU mirrors)."""
     planes = set(planes)
     offer = pb.DataPlaneOffer(host_id=host_id, shm=SHM in planes, inline=INLINE in planes,
-                              device=device and DEVICE in planes)
+                              device=device and DEVICE in planes, stream=STREAM in planes)
     if RDMA in planes and rdma_endpoint is not None:
         offer.rdma.CopyFrom(rdma_endpoint)
     return offer
 
 
 def choose_plane(offer: pb.DataPlaneOffer, daemon_host_id: str, daemon_has_rdma: bool,
-                 table_mirrored: bool = False) -> str:
+                 table_mirrored: bool = False, *, daemon_has_stream: bool = False) -> str:
     """The daemon's pick: the best plane both sides support (NoCommonPlaneError if none)."""
     same_host = bool(offer.host_id) and offer.host_id == daemon_host_id
     if offer.device and same_host and table_mirrored:
@@ -113,14 +116,19 @@ def choose_plane(offer: pb.DataPlaneOffer, daemon_host_id: str, daemon_has_rdma:
         return SHM
     if offer.HasField("rdma") and daemon_has_rdma:
         return RDMA
+    if offer.stream and daemon_has_stream:
+        return STREAM
     if offer.inline:
         return INLINE
-    offered = [name for name, ok in ((SHM, offer.shm), (RDMA, offer.HasField("rdma")), (INLINE, offer.inline)) if ok]
+    offered = [name for name, ok in ((SHM, offer.shm), (RDMA, offer.HasField("rdma")), (STREAM, offer.stream),
+                                     (INLINE, offer.inline)) if ok]
     reasons = []
     if offer.shm:
         reasons.append("shm needs the learner on the daemon's host")
     if offer.HasField("rdma"):
         reasons.append("the daemon has no RDMA device")
+    if offer.stream:
+        reasons.append("the daemon serves no streams ([data_planes] stream = false)")
     raise NoCommonPlaneError(
         f"no data plane in common: the learner offered {offered or 'nothing'}"
         + (f" ({'; '.join(reasons)})" if reasons else ""))

@@ -52,8 +52,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -201,6 +202,15 @@ class SegmentWriterMapping:
                 view[slot, t:t + n] = piece
                 t += n
 
+    remote = False
+
+    def rows(self, slot: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        """A copy of the slot's first ``lengths[c]`` steps per column."""
+        return [np.array(view[slot, :n]) for view, n in zip(self.views, lengths, strict=True)]
+
+    def forget(self, slot: int) -> None:
+        """Nothing kept per slot here (the rows live in the segment)."""
+
     def copy_slot_to(self, other: SegmentWriterMapping, slot: int, lengths: Sequence[int]) -> None:
         """Copy a slot's first ``lengths[c]`` steps per column into the same slot of another version."""
         for src, dst, n in zip(self.views, other.views, lengths, strict=True):
@@ -245,10 +255,16 @@ class SlotWriter:
 
     def __init__(self, channel: grpc.Channel, *, reserve_ahead: int = DEFAULT_RESERVE_AHEAD,
                  open_timeout: float | None = 30.0, metadata: Sequence[tuple[str, str]] | None = None,
-                 answer_timeout: float | None = 30.0, address: str = "the daemon"):
+                 answer_timeout: float | None = 30.0, address: str = "the daemon",
+                 stream_host: str | None = None, stream_ssl: Callable[[str], Any] | None = None):
         """``answer_timeout``: seconds without any answer from the daemon (stream or probe) before the stream
-        fails with DaemonNotAnswering (None: wait for ever); ``address`` names the daemon in messages."""
+        fails with DaemonNotAnswering (None: wait for ever); ``address`` names the daemon in messages.
+        ``stream_host``: this writer is on another host; its rows go on a stream connection to that host
+        (``gear_contract.stream_rows``; ``stream_ssl(host)`` gives the TLS context when the daemon asks for TLS)."""
         self._reserve_ahead = max(1, int(reserve_ahead))
+        self._sender: Any = None  # stream_rows.RowSender of a remote writer
+        self._stream_endpoint: pb.StreamEndpoint | None = None
+        self._writing: dict[int, tuple[str, int, pb.CommitItem]] = {}  # remote: key -> rows on their way
         self._cond = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -273,8 +289,8 @@ class SlotWriter:
         self._call = call(self._requests(), wait_for_ready=True, metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="gear-insert-plane", daemon=True)
         self._reader.start()
-        self._send(pb.InsertPlaneRequest(open=pb.InsertPlaneOpen(host_id=local_host_id(), pid=os.getpid())),
-                   "open", None)
+        self._send(pb.InsertPlaneRequest(open=pb.InsertPlaneOpen(host_id=local_host_id(), pid=os.getpid(),
+                                                                 stream=stream_host is not None)), "open", None)
         if not self._opened.wait(open_timeout) or self.error is not None:
             error = self.error
             self.abort()
@@ -284,6 +300,22 @@ class SlotWriter:
             if error is not None:
                 raise error
             raise OpenTimedOut(f"the daemon did not open the insert plane within {open_timeout} s")
+        if stream_host is not None:
+            from gear_contract.stream_rows import RowSender
+
+            endpoint = self._stream_endpoint
+            try:
+                if endpoint is None:
+                    raise InsertPlaneUnavailable("the daemon answered without a stream endpoint (an older daemon)")
+                context = stream_ssl(endpoint.host or stream_host) if endpoint.tls and stream_ssl else None
+                if endpoint.tls and context is None:
+                    raise InsertPlaneUnavailable("the daemon's insert stream speaks TLS; no TLS settings given")
+                self._sender = RowSender(stream_host, endpoint, context)
+            except (OSError, ValueError, InsertPlaneUnavailable) as exc:
+                self.abort()
+                if isinstance(exc, InsertPlaneUnavailable):
+                    raise
+                raise InsertPlaneUnavailable(f"cannot open the insert stream's row connection: {exc}") from exc
 
     # ------------------------------------------------------------------ stream plumbing
     def _requests(self) -> Iterator[pb.InsertPlaneRequest]:
@@ -310,6 +342,8 @@ class SlotWriter:
                     self._answered = request_id
                     self._answered_at = time.monotonic()
                     if kind == "open":
+                        if response.opened.HasField("stream"):
+                            self._stream_endpoint = response.opened.stream
                         self._timeout_s = response.opened.reservation_timeout_ms / 1000.0
                         self._max_reservations = response.opened.max_reservations
                         self._opened.set()
@@ -361,10 +395,15 @@ class SlotWriter:
         layout = TableLayout.from_proto(layout_msg)
         if state.mapping is not None and state.mapping.layout.version >= layout.version:
             return True
-        try:
-            mapping = SegmentWriterMapping(layout)
-        except SegmentGone:
-            return False
+        if self._sender is not None:
+            from gear_contract.stream_rows import StreamSlotMapping
+
+            mapping: Any = StreamSlotMapping(layout, self._sender, state.name)
+        else:
+            try:
+                mapping = SegmentWriterMapping(layout)
+            except SegmentGone:
+                return False
         state.mapping = mapping
         state.mappings[layout.version] = mapping
         state.structure = layout.structure.SerializeToString()
@@ -399,6 +438,10 @@ class SlotWriter:
         for key in committed.keys:
             self.in_flight_bytes -= self.pending.pop(key, 0)
         state = self._tables[batch.table]
+        sent = state.mappings.get(batch.version)
+        if sent is not None:
+            for item in batch.items[:done]:
+                sent.forget(item.slot)
         if done < len(batch.items) and not committed.HasField("layout"):
             raise RuntimeError(f"insert plane: {len(batch.items) - done} items of table '{batch.table}' were not "
                                "committed and no new layout came with the answer")
@@ -406,14 +449,21 @@ class SlotWriter:
             rest = batch.items[done:]
             if self._adopt(state, committed.layout):
                 old, new = state.mappings[batch.version], state.mapping
-                for item in rest:
-                    old.copy_slot_to(new, item.slot, item.lengths)
-                self._commits.appendleft(_Commit(batch.table, new.layout.version, rest))
+                if new.remote:  # send the rows again, into the new segment; each is committed once it is in
+                    for item in rest:
+                        rows = old.rows(item.slot, item.lengths)
+                        old.forget(item.slot)
+                        self._send_rows(batch.table, new, item, [[r] for r in rows])
+                else:
+                    for item in rest:
+                        old.copy_slot_to(new, item.slot, item.lengths)
+                    self._commits.appendleft(_Commit(batch.table, new.layout.version, rest))
                 self._plan_populate(state)
             else:  # that segment is gone too: the same commit again brings the newest layout
                 self._commits.appendleft(_Commit(batch.table, batch.version, rest))
         self._send_commit()
         referenced = {c.version for c in self._commits if c.table == batch.table}
+        referenced.update(version for table, version, _ in self._writing.values() if table == batch.table)
         if self._commit_in_flight is not None and self._commit_in_flight.table == batch.table:
             referenced.add(self._commit_in_flight.version)
         current = state.mapping.layout.version if state.mapping is not None else -1
@@ -518,14 +568,64 @@ class SlotWriter:
             slot = state.pool.popleft()[0]
             mapping = state.mapping
             self._maybe_reserve(state)
-        mapping.write(slot, columns)
         nbytes = sum(p.nbytes for pieces in columns for p in pieces)
         item = pb.CommitItem(key=key, priority=priority, slot=slot, lengths=lengths, episode_ids=episode_ids)
+        if mapping.remote:
+            with self._cond:
+                self.pending[key] = self.pending.get(key, 0) + nbytes
+                self.in_flight_bytes += nbytes
+                done = self._track_rows(table, mapping, item)
+            try:  # outside the lock: commit answers go on while the rows are sent
+                mapping.write_async(slot, columns, done)
+            except ConnectionError as exc:
+                with self._cond:
+                    self._rows_failed(item, exc)
+            return
+        mapping.write(slot, columns)
         with self._cond:
             self.pending[key] = self.pending.get(key, 0) + nbytes
             self.in_flight_bytes += nbytes
             self._commits.append(_Commit(table, mapping.layout.version, [item]))
             self._send_commit()
+
+    def _send_rows(self, table: str, mapping: Any, item: pb.CommitItem,
+                   columns: Sequence[Sequence[np.ndarray]]) -> None:
+        """Remote: send an item's rows on the row connection (lock held); see ``_track_rows``."""
+        done = self._track_rows(table, mapping, item)
+        try:
+            mapping.write_async(item.slot, columns, done)
+        except ConnectionError as exc:
+            self._rows_failed(item, exc)
+
+    def _rows_failed(self, item: pb.CommitItem, exc: BaseException) -> None:
+        """The row connection failed before ``item``'s rows went out (lock held): the writer sees the error."""
+        self._writing.pop(item.key, None)
+        if self.error is None:
+            self.error = exc
+        self._cond.notify_all()
+
+    def _track_rows(self, table: str, mapping: Any, item: pb.CommitItem) -> Callable[[bool, str], None]:
+        """Remote: note an item whose rows go out now (lock held); the callback, called on the row
+        connection's reader thread once the daemon answered, queues its commit (or records the failure)."""
+        version = mapping.layout.version
+        self._writing[item.key] = (table, version, item)
+
+        def done(status: int, message: str) -> None:
+            from gear_contract import stream_frames as frames
+
+            with self._cond:
+                if self._writing.pop(item.key, None) is None:
+                    return
+                # LAYOUT_GONE: the table moved to a newer layout before the rows went in; the commit under
+                # the old version comes back with the new layout and the rows are sent again (_on_committed)
+                if status in (frames.OK, frames.LAYOUT_GONE):
+                    self._commits.append(_Commit(table, version, [item]))
+                    self._send_commit()
+                elif self.error is None:
+                    self.error = RuntimeError(f"the daemon did not take the rows of item {item.key}: {message}")
+                self._cond.notify_all()
+
+        return done
 
     @property
     def in_flight(self) -> int:
@@ -536,6 +636,7 @@ class SlotWriter:
         the mappings (a stream that failed leaves them to be sent another way; keys are idempotent)."""
         with self._cond:
             batches = ([self._commit_in_flight] if self._commit_in_flight is not None else []) + list(self._commits)
+            batches += [_Commit(table, version, [item]) for table, version, item in self._writing.values()]
             out = []
             for batch in batches:
                 mapping = self._tables[batch.table].mappings[batch.version]
@@ -544,7 +645,7 @@ class SlotWriter:
                 for item in batch.items:
                     if item.key not in self.pending:
                         continue
-                    rows = [np.array(view[item.slot, :n]) for view, n in zip(mapping.views, item.lengths, strict=True)]
+                    rows = mapping.rows(item.slot, item.lengths)
                     out.append(UncommittedItem(batch.table, item.key, item.priority, rows, [c.squeeze for c in columns],
                                                structure, list(item.episode_ids)))
             return out
@@ -585,8 +686,12 @@ class SlotWriter:
         if self._reader.is_alive():
             self.abort()
             self._reader.join(timeout)
+        if self._sender is not None:
+            self._sender.close()
 
     def abort(self) -> None:
         """End the stream at once (its reservations are given back by the daemon)."""
         self._queue.put(None)
         self._call.cancel()
+        if self._sender is not None:
+            self._sender.close()

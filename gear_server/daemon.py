@@ -33,6 +33,7 @@ from gear_server.daemon_ops import Operations
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.settings import DataPlaneSettings
+from gear_server.data_planes.stream_server import open_stream_server
 from gear_server.ops import sd_notify
 from gear_server.rpc.event_loop import LoopThread
 from gear_server.rpc.limits import LimitSettings
@@ -117,8 +118,9 @@ class Daemon:
         """The learner data-plane manager (RDMA when configured and this host has a device and pyverbs)."""
         settings = self.settings.data_planes or DataPlaneSettings()
         rdma, rdma_off = RdmaServer.open(settings)
+        stream, stream_off = open_stream_server(settings, self.config.bind_address or "[::]", self.settings.auth)
         manager = DataPlaneManager(self.tables, self.host_id, self.calls, rdma=rdma, rdma_off=rdma_off,
-                                   settings=settings)
+                                   settings=settings, stream=stream, stream_off=stream_off)
         log.info("%s", manager.report.line())
         return manager
 
@@ -126,8 +128,10 @@ class Daemon:
         """The insert plane and the ingest workers ([ingest] section)."""
         from gear_server.ingest.daemon_hook import Ingest, socket_path
 
+        planes = self.service.data_planes if self.service is not None else None
         return Ingest(self.settings.ingest, self.tables, self.host_id, self.calls, socket_path=socket_path(self.store),
-                      auth=self.settings.auth, metrics=self.ops.metrics, limits=self.limits)
+                      auth=self.settings.auth, metrics=self.ops.metrics, limits=self.limits,
+                      stream=planes.stream if planes is not None else None)
 
     def server_options(self) -> list[tuple[str, Any]]:
         return list(GRPC_OPTIONS)

@@ -116,6 +116,7 @@ class DaemonChannel:
         """``connect_timeout``: seconds a call waits for the daemon, None: forever (see connect_timeout_option)."""
         self.address = check_address(address)
         self.connect_timeout = connect_timeout
+        self.security = security  # the stream plane's bulk connections use the same TLS settings
         self.tls = security.tls
         self.root_certificates = security.root_certificates
         self.has_token = security.token is not None

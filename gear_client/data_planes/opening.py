@@ -1,8 +1,8 @@
 """Opening one table's data plane: offer the planes allowed, build the one the daemon picks, fall back.
 
-The learner offers device (when its batches go to a GPU), shm, rdma and inline as
-allowed and available (rdma with the endpoint of a connection made for it); the
-daemon answers with one. A plane
+The learner offers device (when its batches go to a GPU), shm, rdma, stream (when it
+knows the daemon's host) and inline as allowed and available (rdma with the endpoint
+of a connection made for it); the daemon answers with one. A plane
 that cannot come up here (segment not openable, RDMA connection refused) is
 excluded and the next best negotiated, until one comes up or none is left.
 """
@@ -56,6 +56,7 @@ class PlaneOpener:
     rdma_connection: Callable[[], Any] | None = None
     group: pb.SelectionGroup | None = None  # a rank of a selection group (groups need shm or rdma)
     columns: ColumnChoice | None = None  # read only these columns
+    stream_connections: int | None = None  # at most this many bulk connections (None: as the daemon allows)
 
     def _allowed(self, excluded: set[str]) -> list[str]:
         allowed = [p for p in self.planes if p not in excluded]
@@ -86,6 +87,8 @@ class PlaneOpener:
         """Negotiate a plane; falls back plane by plane (adding each that fails to ``excluded``) until one comes up."""
         while True:
             allowed = self._allowed(excluded)
+            if self._stream_host() is None:  # no host to reach the daemon's listener on (a bare channel or stub)
+                allowed = [p for p in allowed if p != negotiation.STREAM] or allowed
             conn = self._rdma_connection(allowed)
             offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None,
                                             device=self._reads_gpu_mirrors())
@@ -163,4 +166,31 @@ class PlaneOpener:
             conn.connect(response.rdma)
             return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn,
                              columns=self.columns)
+        if response.kind == negotiation.STREAM:
+            from gear_client.data_planes.stream import StreamPlane
+
+            if not response.HasField("stream"):
+                raise RuntimeError("the daemon chose stream without its endpoint")
+            host = self._stream_host()
+            if host is None and not response.stream.host:
+                raise RuntimeError("the daemon chose stream but its host is not known here")
+            return StreamPlane(session, layout, response.stream, host or "", device=self.device,
+                               security=getattr(self.daemon, "security", None), connections=self.stream_connections,
+                               columns=self.columns)
         raise RuntimeError(f"the daemon chose an unknown plane {response.kind!r}")
+
+    def _stream_host(self) -> str | None:
+        """The host this learner reached the control plane on (the stream listener's, unless advertised)."""
+        if self.daemon is None:
+            return None
+        return stream_host(self.daemon.address)
+
+
+def stream_host(address: str) -> str | None:
+    """The host part of a ``host:port`` control-plane address (brackets of IPv6 removed); None for other forms."""
+    if "://" in address or address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]")

@@ -29,7 +29,7 @@ from gear_contract.layout import TableLayout
 class Plane(Protocol):
     """What every data plane does."""
 
-    kind: str  # "shm", "rdma" or "inline"
+    kind: str  # "shm", "rdma", "stream" or "inline"
     layout: TableLayout | None  # the layout batches are padded by (None before the table has one)
     bytes_moved: int  # item bytes moved so far: read from the segment (shm, rdma), received (inline)
 

@@ -107,13 +107,14 @@ class PlaneSampler:
                  num_qps: int | None = None, metadata=None, host_id: str | None = None,
                  max_stale_retries: int = MAX_STALE_RETRIES, rdma_connection=None, columns: Any = None,
                  rank: int | None = None, world_size: int | None = None, seed: int | None = None,
-                 group_id: str | None = None, from_torch: bool = True):
+                 group_id: str | None = None, from_torch: bool = True, stream_connections: int | None = None):
         """``columns``: only these fields move (paths like "obs/rgb", or a nest of the wanted fields;
         gear_contract.projection). ``rank``/``world_size`` (default: torch.distributed's when it is initialised),
         ``seed`` and ``group_id``: this sampler is rank ``rank`` of a data-parallel group that shares one
         selection per step (gear_client.data_planes.ranks); a seed alone makes a world 1 sampler's selections
         reproducible for a given table state. ``from_torch`` False: rank and world size never come from
-        torch.distributed (Reverb-facing samplers)."""
+        torch.distributed (Reverb-facing samplers). ``stream_connections``: at most this many bulk connections
+        on the stream plane (None: as many as the daemon allows)."""
         self.table = table
         self.group = selection_group(table, rank=rank, world_size=world_size, seed=seed, group_id=group_id,
                                      from_torch=from_torch)
@@ -125,7 +126,8 @@ class PlaneSampler:
                                    host_id=host_id or negotiation.local_host_id(), device=device,
                                    rdma_device=rdma_device, num_qps=num_qps, metadata=metadata, daemon=self._daemon,
                                    sample_call=self._sample_call, rdma_connection=rdma_connection,
-                                   group=self.group, columns=ColumnChoice(columns) if columns is not None else None)
+                                   group=self.group, columns=ColumnChoice(columns) if columns is not None else None,
+                                   stream_connections=stream_connections)
         self._excluded: set[str] = set()
         self._lock = threading.RLock()
         self._reader: ReadingPlane | None = None  # shm or rdma, with self._session
@@ -164,7 +166,7 @@ class PlaneSampler:
 
     @property
     def kind(self) -> str | None:
-        """The plane in use ("shm", "rdma", "inline"), or None before the first open."""
+        """The plane in use ("shm", "rdma", "stream", "inline"), or None before the first open."""
         with self._lock:
             if self._session is not None:
                 return self._session.kind
@@ -316,9 +318,13 @@ class PlaneSampler:
             if self.closed or isinstance(exc, UnknownFieldError):
                 self._release_quietly(session, selection.lease_id)
                 raise
-            log.warning("%s plane failed while reading (%s); falling back", plane.kind, exc)
             self._release_quietly(session, selection.lease_id)
-            self._reopen(exclude=plane.kind)
+            if getattr(exc, "reopen_same_plane", False):  # a lost connection: the same plane may come back
+                log.warning("%s plane lost its connection (%s); negotiating again", plane.kind, exc)
+                self._reopen()
+            else:
+                log.warning("%s plane failed while reading (%s); falling back", plane.kind, exc)
+                self._reopen(exclude=plane.kind)
             return Retry.REOPENED
         try:
             stale = session.release([selection.lease_id])

@@ -4,6 +4,10 @@
   opens a ``SlotWriter`` (gear_contract.slot_writer) and copies each item that
   fits the table's layout straight into a reserved slot of the shared-memory
   segment; only the commit (key, priority, slot, lengths) crosses the socket.
+* On another host, when the daemon serves the stream plane, the same
+  ``SlotWriter`` reserves and commits over gRPC and sends each item's rows on a
+  TCP connection of the stream plane (gear_contract.stream_rows); the daemon
+  receives them straight into the reserved slot.
 * Otherwise, when the daemon runs ingest workers (``ServerInfo.ingest_ports``),
   the writer's InsertStream goes to one of them (the first of the list, which
   the daemon starts one further at each ServerInfo, so writers spread evenly
@@ -12,7 +16,8 @@
 * Else the InsertStream goes to the daemon itself.
 
 ``GEAR_INSERT_PLANE=0`` keeps every
-insert on InsertStream; ``GEAR_INGEST_WORKERS=0`` keeps it on the daemon's port.
+insert on InsertStream; ``GEAR_INSERT_STREAM=0`` keeps a writer on another host off
+the stream plane; ``GEAR_INGEST_WORKERS=0`` keeps InsertStream on the daemon's port.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 
 from gear_client.connection.auth import ChannelSecurity
 from gear_client.connection.channel import DEFAULT_CONNECT_TIMEOUT_S
+from gear_client.data_planes.stream import client_ssl_context
 from gear_client.errors import ReverbError
 from gear_client.writers.trajectory_column import TrajectoryColumn
 from gear_contract._proto import replay_pb2 as pb
@@ -41,6 +47,7 @@ ENV_INSERT_PLANE = "GEAR_INSERT_PLANE"
 ENV_INGEST_WORKERS = "GEAR_INGEST_WORKERS"
 # A ServerInfo answer this recent (the one ``trajectory_writer`` asked for) serves the routes' choice.
 SERVER_INFO_MAX_AGE_S = 2.0
+ENV_INSERT_STREAM = "GEAR_INSERT_STREAM"
 
 
 def _enabled(env: str) -> bool:
@@ -73,13 +80,19 @@ def open_slot_writer(client: Any, timeout: float | None = None) -> SlotWriter | 
     if not _enabled(ENV_INSERT_PLANE) or not _is_client(client):
         return None
     info = client._recent_server_info(SERVER_INFO_MAX_AGE_S, timeout)
-    if not info.host_id or info.host_id != local_host_id():
-        return None
+    stream_host = None
+    if not info.host_id or info.host_id != local_host_id():  # another host: rows over a stream connection
+        parts = split_target(client.server_address)
+        if not _enabled(ENV_INSERT_STREAM) or parts is None:
+            return None
+        stream_host = parts[0].strip("[]")
     channel, _, _ = client._connect()
     connect_timeout = getattr(client, "_connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
+    security = ChannelSecurity.build(**client._security_args) if stream_host is not None else None
     try:
         return SlotWriter(channel, open_timeout=connect_timeout if timeout is None else timeout,
-                          answer_timeout=connect_timeout, address=client.server_address)
+                          answer_timeout=connect_timeout, address=client.server_address, stream_host=stream_host,
+                          stream_ssl=(lambda host: stream_ssl_context(security)) if security is not None else None)
     except (SegmentGone, OpenTimedOut):
         raise
     except InsertPlaneUnavailable as e:
@@ -95,6 +108,11 @@ def split_target(address: str) -> tuple[str, str] | None:
     if not sep or not host or not port.isdigit():
         return None
     return host, port
+
+
+def stream_ssl_context(security: ChannelSecurity) -> Any:
+    """TLS for a remote writer's row connection, from the client's control-plane settings."""
+    return client_ssl_context(security, "")
 
 
 def ingest_channel(client: Any) -> grpc.Channel | None:

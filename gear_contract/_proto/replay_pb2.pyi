@@ -450,18 +450,34 @@ class RdmaEndpoint(_message.Message):
     def __init__(self, device: _Optional[str] = ..., port: _Optional[int] = ..., link_layer: _Optional[str] = ..., lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., gid_index: _Optional[int] = ..., mtu: _Optional[int] = ..., qp_nums: _Optional[_Iterable[int]] = ..., psns: _Optional[_Iterable[int]] = ..., max_rd_atomic: _Optional[int] = ..., max_msg_size: _Optional[int] = ...) -> None: ...
 
 class DataPlaneOffer(_message.Message):
-    __slots__ = ("shm", "host_id", "rdma", "inline", "device")
+    __slots__ = ("shm", "host_id", "rdma", "inline", "device", "stream")
     SHM_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     shm: bool
     host_id: str
     rdma: RdmaEndpoint
     inline: bool
     device: bool
-    def __init__(self, shm: _Optional[bool] = ..., host_id: _Optional[str] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., inline: _Optional[bool] = ..., device: _Optional[bool] = ...) -> None: ...
+    stream: bool
+    def __init__(self, shm: _Optional[bool] = ..., host_id: _Optional[str] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., inline: _Optional[bool] = ..., device: _Optional[bool] = ..., stream: _Optional[bool] = ...) -> None: ...
+
+class StreamEndpoint(_message.Message):
+    __slots__ = ("host", "port", "credential", "connections", "tls")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    credential: bytes
+    connections: int
+    tls: bool
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., credential: _Optional[bytes] = ..., connections: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ColumnLayout(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "slot_stride", "step_bytes", "max_length", "squeeze")
@@ -534,7 +550,7 @@ class SelectionGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms", "device_tier")
+    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms", "stream", "device_tier")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -542,6 +558,7 @@ class OpenDataPlaneResponse(_message.Message):
     REGION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: str
@@ -550,8 +567,9 @@ class OpenDataPlaneResponse(_message.Message):
     region: RdmaRegion
     lease_timeout_ms: int
     session_idle_timeout_ms: int
+    stream: StreamEndpoint
     device_tier: DeviceTier
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ..., device_tier: _Optional[_Union[DeviceTier, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ..., stream: _Optional[_Union[StreamEndpoint, _Mapping]] = ..., device_tier: _Optional[_Union[DeviceTier, _Mapping]] = ...) -> None: ...
 
 class DeviceTier(_message.Message):
     __slots__ = ("device", "ipc_handle", "nbytes", "host_path")
@@ -662,20 +680,24 @@ class CloseDataPlaneResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class InsertPlaneOpen(_message.Message):
-    __slots__ = ("host_id", "pid")
+    __slots__ = ("host_id", "pid", "stream")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     pid: int
-    def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    stream: bool
+    def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class InsertPlaneOpened(_message.Message):
-    __slots__ = ("reservation_timeout_ms", "max_reservations")
+    __slots__ = ("reservation_timeout_ms", "max_reservations", "stream")
     RESERVATION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     reservation_timeout_ms: int
     max_reservations: int
-    def __init__(self, reservation_timeout_ms: _Optional[int] = ..., max_reservations: _Optional[int] = ...) -> None: ...
+    stream: StreamEndpoint
+    def __init__(self, reservation_timeout_ms: _Optional[int] = ..., max_reservations: _Optional[int] = ..., stream: _Optional[_Union[StreamEndpoint, _Mapping]] = ...) -> None: ...
 
 class ReserveSlots(_message.Message):
     __slots__ = ("table", "count")

@@ -25,12 +25,14 @@ from grpc import aio
 
 from gear_contract import negotiation
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.layout import TableLayout
 from gear_contract.wire import encode_tensor_fields
 from gear_server.data_planes.groups import GroupRegistry, MakerLeft, StepGone, step_rng
 from gear_server.data_planes.offers import gpu_off_reason, plane_report
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
 from gear_server.data_planes.settings import DataPlaneSettings
+from gear_server.data_planes.stream_server import StreamGrant, StreamServer
 from gear_server.errors import NeedsInlinePlane
 from gear_server.ops.metrics import ServerMetrics
 from gear_server.rpc.statuses import abort_for, find_table
@@ -50,8 +52,10 @@ class DataPlaneManager:
     def __init__(self, tables: Mapping[str, Table], host_id: str, calls: TableCalls, *, rdma: RdmaServer | None = None,
                  rdma_off: str | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, reap_interval_s: float | None = None,
-                 settings: DataPlaneSettings | None = None):
-        """``rdma``: the daemon's RDMA server (``RdmaServer.open``), or None and ``rdma_off`` saying why."""
+                 settings: DataPlaneSettings | None = None, stream: StreamServer | None = None,
+                 stream_off: str | None = None):
+        """``rdma``: the daemon's RDMA server (``RdmaServer.open``), or None and ``rdma_off`` saying why;
+        ``stream``: the TCP stream plane's server (``open_stream_server``), or None and ``stream_off`` saying why."""
         self.tables = tables  # the daemon's dict: tables added later are seen
         self.host_id = host_id
         settings = settings or DataPlaneSettings()
@@ -59,13 +63,21 @@ class DataPlaneManager:
         self.rdma = rdma
         if rdma is None and rdma_off is None:
             rdma_off = "not attached"
-        self.report = plane_report(rdma_off, gpu_off_reason())  # the daemon logs report.line() at start
+        self.stream = stream
+        if stream is None and stream_off is None:
+            stream_off = "not attached"
+        self.report = plane_report(rdma_off, gpu_off_reason(), stream_off)  # the daemon logs report.line() at start
         self.metrics: ServerMetrics | None = None  # set by the daemon (Operations.attach_data_planes)
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
                                         max_sessions=settings.max_sessions,
                                         max_sessions_per_peer=settings.max_sessions_per_peer,
                                         on_close=self._on_session_closed)
         self.groups = GroupRegistry(ttl_s=lease_timeout_s)
+        if stream is not None:
+            stream.lease_slots = self.sessions.lease_slots
+            stream.idle_timeout_s = self.sessions.idle_timeout_s
+            stream.retire_after_s = self.sessions.lease_timeout_s
+            stream.on_lost = self.sessions.close  # a learner whose connections all went: its leases end now
         # Selects waiting on a rate limiter, by session: a closed session cancels them.
         self._selects: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Task]]] = {}
         self._selects_lock = threading.Lock()
@@ -97,6 +109,8 @@ class DataPlaneManager:
         self.sessions.close_all()
         if self.rdma is not None:
             self.rdma.close()
+        if self.stream is not None:
+            self.stream.close()
 
     def _on_session_closed(self, session: Session) -> None:
         if session.group is not None:
@@ -108,7 +122,10 @@ class DataPlaneManager:
                 loop.call_soon_threadsafe(task.cancel)
             except RuntimeError:  # that loop is closed (a lane connection that ended): nothing waits there
                 pass
-        if session.resources is not None and self.rdma is not None:
+        if isinstance(session.resources, StreamGrant):
+            if self.stream is not None:
+                self.stream.close_session(session.resources)
+        elif session.resources is not None and self.rdma is not None:
             try:
                 self.rdma.close_session(session.resources)
             except Exception:  # noqa: BLE001
@@ -128,9 +145,12 @@ class DataPlaneManager:
     # ---------------------------------------------------------------- RPCs
     async def open(self, request: pb.OpenDataPlaneRequest, context: aio.ServicerContext) -> pb.OpenDataPlaneResponse:
         table = await find_table(self.tables, request.table, context)
+        if self._stop.is_set():  # stopping: a session opened now would lose its plane at once
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is stopping")
         try:
             kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None,
-                                            table_mirrored=table.mirror is not None)
+                                            table_mirrored=table.mirror is not None,
+                                            daemon_has_stream=self.stream is not None)
         except negotiation.NoCommonPlaneError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         peer = peer_identity(context)
@@ -189,6 +209,14 @@ class DataPlaneManager:
                 self.sessions.close(session.session_id)
                 raise
         response = pb.OpenDataPlaneResponse(session_id=session.session_id, kind=kind, **self._timeouts())
+        if kind == negotiation.STREAM:
+            session.resources = grant = self.stream.grant(session.session_id)
+            try:
+                layout = self._stream_layout(table, grant, layout)
+            except BaseException:
+                self.sessions.close(session.session_id)
+                raise
+            response.stream.CopyFrom(self.stream.endpoint(grant))
         if layout is not None:
             session.layout_version = layout.version
             response.layout.CopyFrom(layout.to_proto())
@@ -331,16 +359,37 @@ class DataPlaneManager:
                     continue  # its maker's call ended first: this rank makes the step
             return self.groups.claim(group, step, offset, offset + n)
 
+    def _stream_layout(self, table: Table, grant: StreamGrant, layout: TableLayout | None) -> TableLayout | None:
+        """Open the segment file of the table's layout for a stream session; returns that layout.
+
+        A growth between reading the layout and opening its file renames or replaces
+        the file: the layout is read again (a few times at most).
+        """
+        for _ in range(8):
+            if layout is None:
+                return None
+            try:
+                self.stream.attach(grant, layout)
+                return layout
+            except FileNotFoundError:
+                newer = table.layout()
+                if newer is None or newer.version == layout.version:
+                    raise
+                layout = newer
+        raise OSError(f"table '{table.name}' keeps moving to new segments; cannot open one for streaming")
+
     def _send_layout(self, session: Session, table: Table, response: pb.SelectResponse,
                      context: aio.ServicerContext) -> None:
         """Attach the table's current layout (a growth copies every slot, so it addresses the refs too).
 
-        OSError when the grown segment cannot be registered for RDMA.
+        OSError when the grown segment cannot be registered for RDMA or opened for streaming.
         """
         layout = table.layout()
+        if isinstance(session.resources, StreamGrant):
+            layout = self._stream_layout(table, session.resources, layout)
         response.layout_version = layout.version
         response.layout.CopyFrom(layout.to_proto())
-        if session.resources is not None and self.rdma is not None:
+        if session.resources is not None and self.rdma is not None and session.kind == negotiation.RDMA:
             try:
                 response.region.CopyFrom(self.rdma.attach(session.resources, layout))
             except Exception as exc:  # noqa: BLE001

@@ -223,6 +223,22 @@ class SessionRegistry:
         _release_table_leases(session.table, table_leases)
         return None
 
+    def lease_slots(self, session_id: str, lease_id: int) -> np.ndarray | None:
+        """The slots of a lease the session holds now (its idle clock restarts); None if it holds no such lease.
+
+        A lease not held now comes back stale from any later Release (expired, released or
+        never given), so whatever a learner read in its name is dropped.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.closed:
+                return None
+            lease = session.leases.get(int(lease_id))
+            if lease is None:
+                return None
+            session.last_seen = self._clock()
+            return lease.slots
+
     def release(self, session: Session, lease_ids: Iterable[int]) -> list[int]:
         """End leases; returns those that were stale (expired, unknown, or a slot rewritten)."""
         stale = []

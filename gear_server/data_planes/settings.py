@@ -1,4 +1,4 @@
-"""The ``[data_planes]`` section: session caps and the RDMA port the daemon serves learners on."""
+"""The ``[data_planes]`` section: session caps, the RDMA port and the TCP stream plane the daemon serves learners on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ _RANGES = {
     "rdma_gid_index": (0, 65535),
     "rdma_service_level": (0, 15),
     "rdma_traffic_class": (0, 255),
+    "stream_port": (0, 65535),
+    "stream_connections": (1, 16),
+    "stream_max_connections": (1, 1 << 16),
+    "stream_stall_timeout_s": (1, 3600),
 }
+_BOOLS = ("rdma", "stream", "stream_plaintext")
+_HOSTS = ("rdma_device", "stream_bind", "stream_advertise")
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,14 @@ class DataPlaneSettings:
     rdma_gid_index: int | None = None  # RoCE: the GID (hence IP version and VLAN) packets leave from
     rdma_service_level: int | None = None  # lossless RoCE: the SL mapped to the PFC-protected priority
     rdma_traffic_class: int | None = None  # lossless RoCE: DSCP << 2 of the lossless class
+    stream: bool = True  # false: never offer the TCP stream plane (remote learners read inline)
+    stream_port: int = 0  # the stream listener's port (0: any free port; the learner learns it in OpenDataPlane)
+    stream_bind: str | None = None  # the address it listens on (default: the control plane's bind_address)
+    stream_advertise: str | None = None  # the host learners connect to (default: the one they reached gRPC on)
+    stream_connections: int = 4  # parallel connections per learner session
+    stream_max_connections: int = 1024  # stream connections of all learners together
+    stream_stall_timeout_s: int = 30  # a learner that takes no bytes for this long loses its connection
+    stream_plaintext: bool = False  # with TLS on the control plane: bulk streams in plaintext (trusted fabric)
 
     @classmethod
     def from_toml(cls, section: Mapping[str, Any] | None) -> DataPlaneSettings:
@@ -41,9 +55,11 @@ class DataPlaneSettings:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"[data_planes] {key} must be an integer in [{low}, {high}], got {value!r}")
-        if not isinstance(section.get("rdma", True), bool):
-            raise ValueError(f"[data_planes] rdma must be true or false, got {section['rdma']!r}")
-        device = section.get("rdma_device")
-        if device is not None and (not isinstance(device, str) or not device):
-            raise ValueError(f"[data_planes] rdma_device must be a device name, got {device!r}")
+        for key in _BOOLS:
+            if not isinstance(section.get(key, True), bool):
+                raise ValueError(f"[data_planes] {key} must be true or false, got {section[key]!r}")
+        for key in _HOSTS:
+            value = section.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"[data_planes] {key} must be a non-empty string, got {value!r}")
         return cls(**section)

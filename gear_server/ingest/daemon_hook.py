@@ -39,7 +39,8 @@ class Ingest:
 
     def __init__(self, settings: IngestSettings | None, tables: Mapping[str, Any], host_id: str, calls: TableCalls, *,
                  socket_path: str, auth: AuthSettings | None = None, metrics: Any = None,
-                 limits: LimitSettings | None = None):
+                 limits: LimitSettings | None = None, stream: Any = None):
+        """``stream``: the daemon's stream-plane server, through which writers on other hosts send their rows."""
         self.settings = settings or IngestSettings()
         self.settings.check()
         self.auth = auth
@@ -50,6 +51,7 @@ class Ingest:
             self.plane = InsertPlaneManager(tables, host_id, calls, reservation_timeout_s=self.settings.reservation_timeout_s,
                                             max_reservations=self.settings.max_reservations_per_stream)
             self.plane.metrics = metrics
+            self.plane.stream = stream
         self.pool: WorkerPool | None = None
         self._turn = -1
 

@@ -1,4 +1,4 @@
-"""The InsertPlane RPC: writers on the daemon's host fill table slots themselves.
+"""The InsertPlane RPC: writers on the daemon's host fill table slots themselves; others send them on a stream.
 
 One bidirectional stream per writer. It opens with the writer's host identity
 (the daemon refuses writers of another host: they cannot map its segments)
@@ -8,6 +8,12 @@ written into reserved slots, inserted through ``gear_server.ingest.slots``:
 the same path as InsertStream's inserts) and ``CancelSlots``. Requests are
 answered in order; a commit that waits on the rate limiter holds back the
 stream's later requests (the writer's back-pressure).
+
+A writer on another host opens the stream with ``stream`` set: the answer carries
+a credential for one of the stream plane's connections (role writer), on which
+it sends each reserved slot's rows; the daemon receives them straight into the
+segment (``gear_server.data_planes.stream_server``) after checking that the slot
+is reserved on this stream, then the writer commits over this stream as usual.
 
 Reservations belong to their stream. They are given back to the table when
 one is not committed within the reservation timeout, and when the stream ends:
@@ -60,6 +66,9 @@ class _Stream:
     versions: dict[str, int] = field(default_factory=dict)  # table -> layout version the writer has
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: bool = False
+    # a writer on another host: its row connection's grant, and the slots being received (their deadlines)
+    grant: Any = None
+    writing: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def held(self) -> int:
         return sum(len(r) for r in self.reservations.values())
@@ -84,6 +93,7 @@ class InsertPlaneManager:
         self.items_committed = 0  # keys committed over the insert plane (tests, metrics)
         self.metrics: Any = None  # gear_server.ops.metrics.ServerMetrics, set by the daemon
         self.writer_pids: set[int] = set()  # processes that opened a stream (the most recent 1024)
+        self.stream: Any = None  # gear_server.data_planes.stream_server.StreamServer: rows of remote writers
         self._lock = threading.Lock()
         self._streams: dict[int, _Stream] = {}
         self.lanes: dict[str, CommitLane] = {}  # table -> its reserves and commits, one pool job at a time (event loop only)
@@ -158,8 +168,12 @@ class InsertPlaneManager:
             table.unreserve(slots)
 
     def _give_back_all(self, stream: _Stream) -> int:
-        with stream.lock:
-            held, stream.reservations = stream.reservations, {}
+        with stream.lock:  # a slot whose rows are being received goes back when that ends (_end_write)
+            held = stream.reservations
+            stream.reservations = {table: {slot: d for slot, d in slots.items() if (table, slot) in stream.writing}
+                                   for table, slots in held.items()}
+            held = {table: [slot for slot in slots if (table, slot) not in stream.writing]
+                    for table, slots in held.items()}
         for table_name, slots in held.items():
             if slots:
                 self._give_back(table_name, list(slots))
@@ -171,8 +185,11 @@ class InsertPlaneManager:
         with self._lock:
             if stream.ended:
                 return
-            stream.ended = True
+            with stream.lock:
+                stream.ended = True
             self._streams.pop(stream.stream_id, None)
+        if stream.grant is not None and self.stream is not None:
+            self.stream.close_session(stream.grant)  # its row connections end
             if not clean and pid_alive(stream.pid) and stream.held():
                 self._ending.append((time.monotonic() + self.end_grace_s, stream))
                 return
@@ -196,9 +213,11 @@ class InsertPlaneManager:
                     if stream is not None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InsertPlane stream opened twice")
                     stream = await self._open(request.open, context)
-                    yield pb.InsertPlaneResponse(request_id=request.request_id, opened=pb.InsertPlaneOpened(
-                        reservation_timeout_ms=int(self.reservation_timeout_s * 1000),
-                        max_reservations=self.max_reservations))
+                    opened = pb.InsertPlaneOpened(reservation_timeout_ms=int(self.reservation_timeout_s * 1000),
+                                                  max_reservations=self.max_reservations)
+                    if stream.grant is not None:
+                        opened.stream.CopyFrom(self.stream.writer_endpoint(stream.grant))
+                    yield pb.InsertPlaneResponse(request_id=request.request_id, opened=opened)
                     continue
                 if stream is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -225,11 +244,19 @@ class InsertPlaneManager:
                 self._end(stream, clean)
 
     async def _open(self, request: pb.InsertPlaneOpen, context: aio.ServicerContext) -> _Stream:
-        if request.host_id != self.host_id:
+        if request.stream and self.stream is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the daemon serves no streams ([data_planes] stream = false); use InsertStream")
+        if request.host_id != self.host_id and not request.stream:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the insert plane needs the writer on the daemon's host (host identities differ); "
                                 "use InsertStream")
         stream = _Stream(next(self._ids), int(request.pid))
+        if request.stream:
+            from gear_server.data_planes.stream_server import WriteHooks
+
+            stream.grant = self.stream.grant_writer(WriteHooks(lambda table, slot, version: self._begin_write(
+                stream, table, slot, version), lambda table, slot: self._end_write(stream, table, slot)))
         with self._lock:
             self._streams[stream.stream_id] = stream
             if len(self.writer_pids) >= 1024:
@@ -279,6 +306,9 @@ class InsertPlaneManager:
                 if item.slot not in held:
                     raise ValueError(f"item {item.key}: slot {item.slot} of table '{table.name}' is not reserved on "
                                      "this stream (never reserved, committed already, or its reservation timed out)")
+                if (table.name, item.slot) in stream.writing:
+                    raise ValueError(f"item {item.key}: the rows of slot {item.slot} of table '{table.name}' are "
+                                     "still being received; commit once they are in")
             for item in request.items:
                 held[item.slot] = math.inf  # committing: a rate limiter may hold it past the timeout
                 items.append(ReservedItem(int(item.key), float(item.priority), int(item.slot), list(item.lengths),
@@ -294,6 +324,11 @@ class InsertPlaneManager:
             held = stream.reservations.get(table.name, {})
             for item in committed:
                 held.pop(item.slot, None)
+            if moved is not None:  # the rest stay reserved (their rows go into the new segment), timed again
+                again = time.monotonic() + self.reservation_timeout_s
+                for item in items[len(committed):]:
+                    if held.get(item.slot) == math.inf:
+                        held[item.slot] = again
         keys = [item.key for item in committed]
         self.items_committed += len(keys)
         if self.metrics is not None and keys:
@@ -305,6 +340,49 @@ class InsertPlaneManager:
             response.layout.CopyFrom(moved.to_proto())
             stream.versions[table.name] = moved.version
         return response
+
+    def _begin_write(self, stream: _Stream, table_name: str, slot: int, version: int) -> TableLayout:
+        """A remote writer's rows for ``slot`` are about to be received: the layout to write them into.
+
+        Refused (``WindowRefused``) unless the slot is reserved on this stream, not being
+        committed or written already, and ``version`` is the table's layout now. The slot's
+        reservation cannot time out while its rows come in.
+        """
+        from gear_contract import stream_frames as frames
+        from gear_server.data_planes.stream_server import WindowRefused
+
+        table = self.tables.get(table_name)
+        if table is None:
+            raise WindowRefused(frames.BAD_REQUEST, f"no table '{table_name}'")
+        with stream.lock:
+            deadline = stream.reservations.get(table_name, {}).get(slot)
+            if stream.ended or deadline is None or deadline == math.inf or (table_name, slot) in stream.writing:
+                raise WindowRefused(frames.OUT_OF_BOUNDS, f"slot {slot} of table '{table_name}' is not reserved on "
+                                                          "this writer's stream (or is being written or committed)")
+            stream.writing[(table_name, slot)] = deadline
+            stream.reservations[table_name][slot] = math.inf
+        layout = table.layout()
+        if layout is None or layout.version != version:
+            self._end_write(stream, table_name, slot)
+            raise WindowRefused(frames.LAYOUT_GONE, f"table '{table_name}' is at layout version "
+                                                    f"{None if layout is None else layout.version}, not {version}")
+        return layout
+
+    def _end_write(self, stream: _Stream, table_name: str, slot: int) -> None:
+        """The rows of ``slot`` are in (or the write failed): its reservation runs again, or goes back
+        when the stream ended meanwhile."""
+        with stream.lock:
+            deadline = stream.writing.pop((table_name, slot), None)
+            held = stream.reservations.get(table_name, {})
+            if slot in held and held[slot] == math.inf and deadline is not None:
+                if stream.ended:
+                    del held[slot]
+                else:
+                    held[slot] = deadline
+                    return
+            else:
+                return
+        self._give_back(table_name, [slot])
 
     def _lane(self, table_name: str) -> CommitLane:
         lane = self.lanes.get(table_name)

@@ -18,11 +18,11 @@ from tests.support.plane_daemon import table_config
 
 def test_the_report_names_offered_planes_best_first_and_why_the_others_are_off():
     on = plane_report(None)
-    assert on.offered == ("shm", "rdma", "inline") and on.off == {}
-    off = plane_report("pyverbs missing", "no GPU: CuPy or a CUDA device is missing")
+    assert on.offered == ("shm", "rdma", "stream", "inline") and on.off == {}
+    off = plane_report("pyverbs missing", "no GPU: CuPy or a CUDA device is missing", "[data_planes] stream = false")
     assert off.offered == ("shm", "inline")
     assert off.line() == ("data planes offered: shm, inline; off: rdma (pyverbs missing), "
-                          "gpu (no GPU: CuPy or a CUDA device is missing)")
+                          "stream ([data_planes] stream = false), gpu (no GPU: CuPy or a CUDA device is missing)")
 
 
 def test_a_daemon_logs_its_planes_at_start(caplog):
@@ -33,7 +33,7 @@ def test_a_daemon_logs_its_planes_at_start(caplog):
     with caplog.at_level(logging.INFO, logger="gear_server.daemon"), Daemon(config):
         pass
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data planes offered")]
-    assert len(lines) == 1 and lines[0].startswith("data planes offered: shm, inline; off: rdma (pyverbs ")
+    assert len(lines) == 1 and lines[0].startswith("data planes offered: shm, stream, inline; off: rdma (pyverbs ")
 
 
 def test_data_plane_settings_parse_and_refuse_bad_values():
@@ -44,6 +44,8 @@ def test_data_plane_settings_parse_and_refuse_bad_values():
     assert settings.data_planes == DataPlaneSettings(max_sessions_per_peer=16, rdma_service_level=3,
                                                      rdma_traffic_class=106, rdma=False)
     for bad, key in (({"rdma_service_level": 16}, "rdma_service_level"), ({"max_sessions_per_peer": 0},
-                     "max_sessions_per_peer"), ({"rdma": "yes"}, "rdma"), ({"sessions": 1}, "unknown key")):
+                     "max_sessions_per_peer"), ({"rdma": "yes"}, "rdma"), ({"sessions": 1}, "unknown key"),
+                     ({"stream": 1}, "stream"), ({"stream_connections": 17}, "stream_connections"),
+                     ({"stream_advertise": ""}, "stream_advertise")):
         with pytest.raises(ConfigError, match=key):
             parse_config({**base, "data_planes": bad})

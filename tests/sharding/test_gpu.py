@@ -166,7 +166,7 @@ def cluster(tmp_path_factory):
 
 
 def test_dataset_over_three_shards_into_gpu_memory(cluster):
-    """Shard 0 (this host) gathered by the GPU kernel, shards 1 and 2 inline, one CuPy batch, items intact."""
+    """Shard 0 (this host) gathered by the GPU kernel, shards 1 and 2 over streams, one CuPy batch, items intact."""
     import cupy as cp
 
     import gear_client as reverb
@@ -193,4 +193,4 @@ def test_dataset_over_three_shards_into_gpu_memory(cluster):
             seen += len(batch)
         assert seen == 64
         kinds = ds._sampler.kinds()
-        assert kinds[cluster.addresses[0]] == "shm" and kinds[cluster.addresses[1]] == "inline"
+        assert kinds[cluster.addresses[0]] == "shm" and kinds[cluster.addresses[1]] == "stream"

@@ -358,7 +358,7 @@ def _write_items(client, stop: threading.Event, first: int) -> None:
         seed += 1
 
 
-def test_learner_reads_own_shard_over_shm_others_inline_never_torn(cluster):
+def test_learner_reads_own_shard_over_shm_others_over_streams_never_torn(cluster):
     addresses = cluster.addresses
     writers = [reverb.Client(a) for a in addresses]
     stop = threading.Event()
@@ -382,8 +382,8 @@ def test_learner_reads_own_shard_over_shm_others_inline_never_torn(cluster):
             assert seen == 16 * 25
             kinds = ds._sampler.kinds()
             assert kinds[addresses[0]] == "shm"
-            assert kinds[addresses[1]] == kinds[addresses[2]] == "inline"
-            assert ds.plane == "inline+shm"
+            assert kinds[addresses[1]] == kinds[addresses[2]] == "stream"  # remote shards: TCP streams
+            assert ds.plane == "shm+stream"
     finally:
         stop.set()
         for t in threads:

@@ -14,6 +14,7 @@ from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.ingest.settings import IngestSettings
 from tests.support.paths import ROOT
+from tests.support.trajectories import item_ok
 
 _instances = iter(range(1 << 30))
 
@@ -70,3 +71,13 @@ def slots_accounted(table) -> bool:
     """Every slot is free, holds an item, is leased after a delete, or is reserved: none leaked."""
     counts = table.slot_counts()
     return counts.free + counts.items + counts.leased_deleted + counts.reserved == table.capacity
+
+
+def intact(batch) -> int:
+    """Assert every item of a SampledBatch carries a matching checksum (writers pick their own keys);
+    returns the item count."""
+    action, obs, reward = batch.columns
+    for i in range(len(batch)):
+        n = int(batch.lengths[i, 0])
+        assert item_ok(action[i, :n], obs[i, :n], reward[i, :n]), f"item {i} (key {batch.keys[i]}) is torn"
+    return len(batch)

@@ -7,8 +7,11 @@ import os
 import sys
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.data_planes.settings import DataPlaneSettings
+from gear_server.data_planes.stream_server import StreamServer, open_stream_server
 
 _instances = itertools.count()
 
@@ -33,15 +36,22 @@ def queue_config(name: str, size: int = 32) -> pb.TableConfig:
 
 
 class PlaneDaemon(Daemon):
-    """A real daemon whose data-plane manager takes test settings (lease timeouts, an RDMA server)."""
+    """A real daemon whose data-plane manager takes test settings (lease timeouts, an RDMA server, a stream
+    server: ``stream=True`` or ``stream=DataPlaneSettings(...)`` opens the daemon's own)."""
 
-    def __init__(self, config: pb.ServerConfig, **manager_kwargs):
+    def __init__(self, config: pb.ServerConfig | DaemonSettings, **manager_kwargs):
         super().__init__(config, seed=0)
         self.manager_kwargs = {"rdma": None, **manager_kwargs}
         self.manager: DataPlaneManager | None = None
 
     def build_data_planes(self) -> DataPlaneManager:
-        self.manager = DataPlaneManager(self.tables, self.host_id, self.calls, **self.manager_kwargs)
+        kwargs = dict(self.manager_kwargs)
+        stream = kwargs.pop("stream", None)
+        if stream is not None and not isinstance(stream, StreamServer):  # True or [data_planes] settings
+            settings = stream if isinstance(stream, DataPlaneSettings) else DataPlaneSettings()
+            stream, kwargs["stream_off"] = open_stream_server(settings, self.config.bind_address or "[::]",
+                                                              self.settings.auth)
+        self.manager = DataPlaneManager(self.tables, self.host_id, self.calls, stream=stream, **kwargs)
         return self.manager
 
     def stop(self, grace: float = 1.0) -> None:

@@ -3,7 +3,7 @@
 Shard 0 runs with this test process's host identity (a learner here reaches it
 over shm, and it is the "own host" daemon for inserts); shards 1 and 2 claim
 other host identities (``GEAR_HOST_ID``), so this process is a remote learner
-for them and reads their parts inline. Each daemon has a fixed port (a
+for them and reads their parts over TCP streams (``client.sample``: inline). Each daemon has a fixed port (a
 restarted one comes back at the same address) and its own checkpoint folder.
 """
 

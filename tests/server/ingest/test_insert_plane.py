@@ -24,7 +24,7 @@ from gear_client.data_planes.sampler import PlaneSampler
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.negotiation import local_host_id
 from gear_contract.slot_writer import INSERT_PLANE_METHOD, SlotWriter
-from tests.support.insert_plane import finish, items_in_insert_order, run_actor, slots_accounted, start
+from tests.support.insert_plane import finish, intact, items_in_insert_order, run_actor, slots_accounted, start
 from tests.support.metrics_text import parse, value
 from tests.support.paths import ROOT
 from tests.support.plane_daemon import table_config
@@ -50,16 +50,6 @@ for slot, _ in w._tables["t"].pool:
 print("RESERVED", len(w._tables["t"].pool), flush=True)
 time.sleep(120)
 """
-
-
-def intact(batch) -> int:
-    """Assert every item of a SampledBatch carries a matching checksum (writers pick their own keys);
-    returns the item count."""
-    action, obs, reward = batch.columns
-    for i in range(len(batch)):
-        n = int(batch.lengths[i, 0])
-        assert item_ok(action[i, :n], obs[i, :n], reward[i, :n]), f"item {i} (key {batch.keys[i]}) is torn"
-    return len(batch)
 
 
 def test_an_actor_process_writes_through_the_insert_plane_and_the_items_read_back_byte_exact():
