@@ -26,6 +26,11 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 
 
+class PlaneInterrupted(Exception):
+    """A plane lost what it reads through but may come back as it is (a broken connection, a layout the
+    daemon no longer serves): the sampler negotiates again without excluding this plane."""
+
+
 class Plane(Protocol):
     """What every data plane does."""
 
@@ -41,7 +46,7 @@ class Plane(Protocol):
 
 
 class ReadingPlane(Plane, Protocol):
-    """A plane that reads the items a Select leased (shm, rdma)."""
+    """A plane that reads the items a Select leased (shm, rdma, stream)."""
 
     def set_layout(self, layout: TableLayout, region: pb.RdmaRegion | None) -> None:
         """Read ``layout``'s segment from now on (FileNotFoundError: it is already unlinked)."""

@@ -41,7 +41,7 @@ from gear_client.data_planes.pipeline import (
     gathers_in_flight,
     select_width,
 )
-from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
+from gear_client.data_planes.plane import Plane, PlaneInterrupted, ReadingPlane, SamplingPlane
 from gear_client.data_planes.projection import ColumnChoice
 from gear_client.data_planes.range_planning import WindowSpec
 from gear_client.data_planes.ranks import selection_group
@@ -319,7 +319,7 @@ class PlaneSampler:
                 self._release_quietly(session, selection.lease_id)
                 raise
             self._release_quietly(session, selection.lease_id)
-            if getattr(exc, "reopen_same_plane", False):  # a lost connection: the same plane may come back
+            if isinstance(exc, PlaneInterrupted):  # a lost connection: the same plane may come back
                 log.warning("%s plane lost its connection (%s); negotiating again", plane.kind, exc)
                 self._reopen()
             else:

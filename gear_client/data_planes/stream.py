@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from gear_client.data_planes.batch import BufferPool, Pending, SampledBatch, column_arrays
+from gear_client.data_planes.plane import PlaneInterrupted
 from gear_client.data_planes.projection import ColumnChoice, narrowed
 from gear_client.data_planes.range_planning import (
     LENGTH,
@@ -58,16 +59,13 @@ class StreamPlaneError(RuntimeError):
     """The daemon refused a READ (a window outside the lease or the segment, an unknown layout)."""
 
 
-class StreamLayoutGone(StreamPlaneError):
-    """The daemon no longer holds the layout a READ addressed (the table moved on several times meanwhile)."""
+class StreamLayoutGone(PlaneInterrupted, StreamPlaneError):
+    """The daemon no longer holds the layout a READ addressed (the table moved on meanwhile): a new session
+    starts from the table's current layout."""
 
-    reopen_same_plane = True  # a new session starts from the table's current layout
 
-
-class StreamConnectionLost(ConnectionError):
+class StreamConnectionLost(PlaneInterrupted, ConnectionError):
     """A bulk connection broke (the daemon restarted, the network failed): re-negotiating may cure it."""
-
-    reopen_same_plane = True  # the sampler negotiates again without excluding this plane
 
 
 def _timeval(seconds: float) -> bytes:

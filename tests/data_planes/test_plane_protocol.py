@@ -12,6 +12,7 @@ from gear_client.data_planes.inline import InlinePlane
 from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
 from gear_client.data_planes.rdma import RdmaPlane
 from gear_client.data_planes.shm import ShmPlane
+from gear_client.data_planes.stream import StreamPlane
 
 
 def members(protocol: type) -> dict[str, inspect.Signature]:
@@ -27,6 +28,7 @@ def members(protocol: type) -> dict[str, inspect.Signature]:
 
 
 @pytest.mark.parametrize(("protocol", "cls", "kind"), [(ReadingPlane, ShmPlane, "shm"), (ReadingPlane, RdmaPlane, "rdma"),
+                                                       (ReadingPlane, StreamPlane, "stream"),
                                                        (SamplingPlane, InlinePlane, "inline")])
 def test_each_plane_implements_its_protocol_with_the_same_parameters(protocol, cls, kind):
     assert Plane in protocol.__mro__
