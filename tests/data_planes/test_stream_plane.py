@@ -149,11 +149,12 @@ def test_the_operator_can_turn_the_stream_plane_off():
 def test_stream_is_preferred_over_inline_and_below_shm_and_rdma():
     offer = negotiation.build_offer(negotiation.PLANES, "x", None)
     assert offer.stream and offer.inline
-    assert negotiation.choose_plane(offer, "h", False, True) == negotiation.STREAM
-    assert negotiation.choose_plane(offer, "x", False, True) == negotiation.SHM
-    assert negotiation.choose_plane(offer, "h", False, False) == negotiation.INLINE
+    assert negotiation.choose_plane(offer, "h", False, daemon_has_stream=True) == negotiation.STREAM
+    assert negotiation.choose_plane(offer, "x", False, daemon_has_stream=True) == negotiation.SHM
+    assert negotiation.choose_plane(offer, "h", False, daemon_has_stream=False) == negotiation.INLINE
     with pytest.raises(negotiation.NoCommonPlaneError, match="serves no streams"):
-        negotiation.choose_plane(negotiation.build_offer([negotiation.STREAM], "x", None), "h", False, False)
+        negotiation.choose_plane(negotiation.build_offer([negotiation.STREAM], "x", None), "h", False,
+                                 daemon_has_stream=False)
 
 
 # ------------------------------------------------------------------ raw protocol --
