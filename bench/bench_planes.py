@@ -10,7 +10,8 @@ bytes moved into the learner's memory, Release), in GB/s of item payload:
 * shm      PlaneSampler(planes=["shm"]): segment mapped, NumPy gather into host memory;
            "pipelined": PlaneSampler.batches(): Selects sent ahead (the daemon picks the next batches
            while this one is gathered), several batches per Select (up to 128 items, at most 8 batches:
-           4 at B=32, 1 at B=256; one gather reads them all), several gathers running, each lease ended by a later Select;
+           4 at B=32, 1 at B=256; one gather reads them all), several gathers running, each lease ended by a
+           later Select;
            "1/select": the same pipeline with one batch per Select (the round trip bounds small batches)
 * shm-gpu  the same with device="cuda": the gather kernel reads the mapped segment into GPU memory
            (each batch on its own CUDA stream); "deeper": 3 Selects ahead and 4 gathers instead of 2 and 3;
@@ -50,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_core  # noqa: E402 - the core benchmark's workload and server
+import bench_core  # the core workload: trajectories, writer loop, server
 
 ITEM_BYTES = bench_core.ITEM_BYTES
 NUM_ITEMS = 2048
@@ -440,14 +441,17 @@ def print_results(r: dict[str, Any]) -> None:
             if "gbps" in fig:
                 note = ""
                 if name == "inline":
-                    note = f"  (ceiling: the Sample RPC's bytes over loopback, undecoded {ceil['sample_stream_gbps']:.2f} GB/s)"
+                    note = ("  (ceiling: the Sample RPC's bytes over loopback, undecoded "
+                            f"{ceil['sample_stream_gbps']:.2f} GB/s)")
                 if name.startswith("shm") and "gpu" not in name:
                     note = (f"  (ceiling: one-thread copy of random rows from /dev/shm {ceil['memcpy_shm_gbps']:.2f}"
                             f" GB/s; from private memory {ceil['memcpy_anon_gbps']:.2f})")
                 if name.startswith("shm-gpu"):
                     h2d = r["ceilings"].get("h2d_pinned_gbps")
-                    note = f"  (ceiling: pinned H2D {h2d:.1f} GB/s; goal >= {GOALS['shm_gpu_gbps']:.0f})" if h2d else ""
-                per_select = f", {fig['batches_per_select']:.1f} batches/Select" if fig.get("batches_per_select") else ""
+                    note = (f"  (ceiling: pinned H2D {h2d:.1f} GB/s; goal >= {GOALS['shm_gpu_gbps']:.0f})"
+                            if h2d else "")
+                per_select = (f", {fig['batches_per_select']:.1f} batches/Select"
+                              if fig.get("batches_per_select") else "")
                 print(f"    {name:<17} {fig['gbps']:7.2f} GB/s  [{fig.get('plane')}{per_select}]{note}")
             elif "overhead_ms_per_batch" in fig:
                 print(f"    {name:<17} {fig['overhead_ms_per_batch']:7.2f} ms/batch of planning+posting+polling "

@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return next((r for r in rows if r["actors"] == k), None)
 
     top = 8 if not args.quick else max(counts)
-    print(f"goals (16-core GPU machine; {'--quick: measured at ' + str(top) + ' actors' if args.quick else 'full run'}):")
+    scope = f"--quick: measured at {top} actors" if args.quick else "full run"
+    print(f"goals (16-core GPU machine; {scope}):")
     same, net = results["same_host"], results["network"]
     checks = []
     if at(same, top):
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         checks.append((f"network-path {top} actors vs one", at(net, top)["gbps"] / net[0]["gbps"],
                        GOALS["network_speedup_8"], "x"))
     mixed_top = mixed[-1]
-    checks.append((f"learner with {mixed_top['actors']} actors vs solo", mixed_top["ratio"], GOALS["mixed_ratio_8"], "x"))
+    checks.append((f"learner with {mixed_top['actors']} actors vs solo", mixed_top["ratio"], GOALS["mixed_ratio_8"],
+                   "x"))
     for name, value, goal, unit in checks:
         print(f"  {name:40s} {value:6.2f}{unit}  goal >= {goal}{unit}: {verdict(value, goal)}")
     results["checks"] = [{"name": n, "value": v, "goal": g, "met": v >= g} for n, v, g, _ in checks]

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_core  # noqa: E402 - the core workload (trajectories, writer loop)
+import bench_core  # the core workload: trajectories, writer loop, server
 
 ITEM_BYTES = bench_core.ITEM_BYTES
 PCIE_GBPS = 55.6  # pinned host-to-device copy, H200 machine (ARCHITECTURE.md): only where it cannot be measured

@@ -43,11 +43,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import gear_client as reverb  # noqa: E402
-from gear_contract._proto import replay_pb2 as pb  # noqa: E402
-from gear_contract._proto import replay_pb2_grpc as pb_grpc  # noqa: E402
-from gear_contract.lane_frames import SELECT  # noqa: E402
-from gear_contract.negotiation import local_host_id  # noqa: E402
+import gear_client as reverb
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract._proto import replay_pb2_grpc as pb_grpc
+from gear_contract.lane_frames import SELECT
+from gear_contract.negotiation import local_host_id
 
 ITEMS_PER_ACTOR = 5
 TABLE_ITEMS = 2048
@@ -287,7 +287,9 @@ for batch in (32, 256):
         client.mutate_priorities("prio", updates=updates)
     times = []
     for _ in range(rounds):
-        t = time.perf_counter(); client.mutate_priorities("prio", updates=updates); times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        client.mutate_priorities("prio", updates=updates)
+        times.append(time.perf_counter() - t)
     out[f"mutate_b{batch}_ms"] = statistics.median(times) * 1e3
 print("RESULT " + json.dumps(out))
 '''
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if flood:
         print(f"  {flood['calls']} health Watch streams + {flood['calls']} InsertStreams without the token, opened in "
               f"{flood['opened_s']:.2f} s: {dict(sorted(flood['codes'].items()))}; authenticated ServerInfo "
-              f"meanwhile: median {flood['authenticated_ms']:.3f} ms; daemon RSS +{flood['rss_growth'] / 2**20:.1f} MiB")
+              f"meanwhile: median {flood['authenticated_ms']:.3f} ms; "
+              f"daemon RSS +{flood['rss_growth'] / 2**20:.1f} MiB")
     reverb_lat = reverb_latencies(args.reverb_python, args.rounds) if args.reverb_python else None
     goal = {32: None, 256: None}
     if reverb_lat:

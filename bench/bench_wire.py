@@ -31,9 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gear_contract import wire  # noqa: E402
-from gear_contract._proto import replay_pb2 as pb  # noqa: E402
-from gear_contract.allocator import tune_allocator  # noqa: E402
+from gear_contract import wire
+from gear_contract._proto import replay_pb2 as pb
+from gear_contract.allocator import tune_allocator
 
 OBS = 1024
 
@@ -131,7 +131,8 @@ def bench_priority_updates(budget: float) -> None:
 
 def _bench_priority_updates(n: int, budget: float) -> None:
     rng = np.random.default_rng(2)
-    updates = {int(k): float(p) for k, p in zip(rng.integers(0, 2**63, n, dtype=np.uint64), rng.uniform(0, 10, n), strict=True)}
+    keys, priorities = rng.integers(0, 2**63, n, dtype=np.uint64), rng.uniform(0, 10, n)
+    updates = {int(k): float(p) for k, p in zip(keys, priorities, strict=True)}
 
     def hand() -> bytes:
         keys = np.fromiter(updates.keys(), np.uint64, n)

@@ -46,7 +46,8 @@ import numpy as np
 
 from gear_contract.wire import PriorityUpdates, priority_arrays
 
-__all__ = ["LANE_KEY", "VERSION", "HELLO", "MUTATE_PRIORITIES", "SELECT", "RELEASE", "METHODS", "MAX_FRAME_BYTES", "MAX_REQUEST_BYTES", "MAX_HELLO_BYTES",
+__all__ = ["LANE_KEY", "VERSION", "HELLO", "MUTATE_PRIORITIES", "SELECT", "RELEASE", "METHODS", "MAX_FRAME_BYTES",
+           "MAX_REQUEST_BYTES", "MAX_HELLO_BYTES",
            "SECRET_BYTES", "HEAD", "frame", "hello", "advertise", "parse_advertisement", "encode_priorities",
            "decode_priorities", "LANE_ENV", "lane_enabled"]
 

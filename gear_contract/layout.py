@@ -99,7 +99,8 @@ class TableLayout:
             dtype = np.dtype(dtype)
             step = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
             stride = align_up(max(step * max_length, 1))
-            placed.append(ColumnLayout(name, dtype, tuple(int(d) for d in shape), offset, stride, int(max_length), squeeze))
+            placed.append(ColumnLayout(name, dtype, tuple(int(d) for d in shape), offset, stride, int(max_length),
+                                       squeeze))
             offset = align_up(offset + stride * capacity)
         return cls(table, segment, int(capacity), tuple(placed), version, structure or pb.Structure())
 

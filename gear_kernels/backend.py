@@ -134,7 +134,8 @@ class Staging:
         if self._event is None:
             self._event = cp.cuda.Event(block=False, disable_timing=True)
         self._event.record(stream)
-        return [device[off:off + a.nbytes].view(a.dtype).reshape(a.shape) for a, off in zip(arrays, offsets, strict=True)]
+        return [device[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+                for a, off in zip(arrays, offsets, strict=True)]
 
 
 @functools.cache

@@ -129,7 +129,8 @@ def parse_config(data: dict[str, Any]) -> DaemonSettings:
     core = {k: v for k, v in data.items() if k not in OPERATION_SECTIONS}
     unknown = sorted(set(core) - _SERVER_KEYS)
     if unknown:
-        raise ConfigError(f"unknown top-level key(s) {unknown}; known: {sorted(_SERVER_KEYS | set(OPERATION_SECTIONS))}")
+        known = sorted(_SERVER_KEYS | set(OPERATION_SECTIONS))
+        raise ConfigError(f"unknown top-level key(s) {unknown}; known: {known}")
     server = pb.ServerConfig(
         bind_address=_typed(core, "bind_address", str, DEFAULT_BIND_ADDRESS, "top level"),
         port=_int(core, "port", 0, "top level"),
@@ -276,10 +277,12 @@ def selector_from_toml(value: Any, where: str) -> pb.SelectorOptions:
     """``"uniform"`` etc., or ``{ prioritized = { priority_exponent = x } }``."""
     if isinstance(value, str):
         if value == "prioritized":
-            raise ConfigError(f"{where}: prioritized needs its exponent: {{ prioritized = {{ priority_exponent = 0.8 }} }}")
+            raise ConfigError(f"{where}: prioritized needs its exponent: "
+                              "{ prioritized = { priority_exponent = 0.8 } }")
         cls = _SIMPLE_SELECTORS.get(value)
         if cls is None:
-            raise ConfigError(f"{where}: unknown selector {value!r}; known: {sorted(_SIMPLE_SELECTORS)} and prioritized")
+            raise ConfigError(f"{where}: unknown selector {value!r}; "
+                              f"known: {sorted(_SIMPLE_SELECTORS)} and prioritized")
         return cls().to_proto()
     if isinstance(value, dict) and len(value) == 1:
         (kind, options), = value.items()
@@ -403,7 +406,11 @@ def _require_number(value: Any, where: str) -> float:
 
 
 def known_keys(section: Mapping[str, Any] | None, known: Iterable[str], where: str) -> dict[str, Any]:
-    """A copy of a TOML table (None: empty) after checking it holds only ``known`` keys (ConfigError naming the others)."""
+    """A copy of a TOML table (None: empty) after checking it holds only ``known`` keys.
+
+    Raises:
+      ConfigError: naming the keys that are not known.
+    """
     section = dict(section or {})
     known = set(known)
     unknown = sorted(set(section) - known)

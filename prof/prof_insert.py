@@ -17,8 +17,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "prof")]
 
-import bench_scale as bs  # noqa: E402 - after the path above
-from pyspy import spy  # noqa: E402
+import bench_scale as bs
+from pyspy import spy
 
 OUT = os.environ.get("OUT", "/tmp/out")
 
@@ -71,7 +71,8 @@ def main() -> None:
             ready.get(timeout=120)
         spies = []
         if do_spy:
-            spies = [spy(server.pid, OUT, f"daemon_{tag}", seconds - 1), spy(procs[0].pid, OUT, f"actor_{tag}", seconds - 1)]
+            spies = [spy(server.pid, OUT, f"daemon_{tag}", seconds - 1),
+                     spy(procs[0].pid, OUT, f"actor_{tag}", seconds - 1)]
             if network:
                 spies += [spy(w, OUT, f"worker{i}_{tag}", seconds - 1) for i, w in enumerate(children(server.pid))]
         workers_pids = children(server.pid)
@@ -91,7 +92,8 @@ def main() -> None:
             p.join(30)
         total = sum(r["items"] for r in out)
         window = max(r["seconds"] for r in out)
-        row = {"tag": tag, "gbps": total * bs.ITEM_BYTES / window / 1e9, "items": total, "paths": sorted({r["path"] for r in out}),
+        row = {"tag": tag, "gbps": total * bs.ITEM_BYTES / window / 1e9, "items": total,
+               "paths": sorted({r["path"] for r in out}),
                "cores_busy": {name: round(v, 2) for name, v in cores.items()},
                "machine_busy": round((busy1 - busy0) / (total1 - total0), 3)}
         print(json.dumps(row), flush=True)

@@ -18,9 +18,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "prof")]
 
-import bench_scale as bs  # noqa: E402 - after the path above
-import numpy as np  # noqa: E402
-from pyspy import spy  # noqa: E402
+import bench_scale as bs
+import numpy as np
+from pyspy import spy
 
 OUT = os.environ.get("OUT", "/tmp/out")
 
@@ -79,7 +79,8 @@ def main():
                 ready.get(timeout=120)
             spies = []
             if kk and do_spy:
-                spies = [spy(server.pid, OUT, f"daemon_k{kk}", seconds - 1), spy(lp.pid, OUT, f"learner_k{kk}", seconds - 1),
+                spies = [spy(server.pid, OUT, f"daemon_k{kk}", seconds - 1),
+                         spy(lp.pid, OUT, f"learner_k{kk}", seconds - 1),
                          spy(procs[0].pid, OUT, f"actor_k{kk}", seconds - 1)]
             go.set()
             acts = [res.get(timeout=seconds + 120) for _ in range(kk)]

@@ -16,9 +16,9 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "prof")]
 
-import bench_shards as bsh  # noqa: E402 - after the path above
-import numpy as np  # noqa: E402
-from pyspy import spy  # noqa: E402
+import bench_shards as bsh
+import numpy as np
+from pyspy import spy
 
 OUT = os.environ.get("OUT", "/tmp/out")
 SECONDS = 6.0

@@ -36,10 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "prof")]
 os.environ.setdefault("PYSPY", os.path.join(os.path.dirname(sys.executable), "py-spy"))
 
-import bench_shards as bsh  # noqa: E402 - after the path above
-import numpy as np  # noqa: E402
-from prof_insert import cpu_seconds  # noqa: E402
-from pyspy import spy  # noqa: E402
+import bench_shards as bsh
+import numpy as np
+from prof_insert import cpu_seconds
+from pyspy import spy
 
 TABLE = "p"
 

@@ -219,7 +219,8 @@ class DaemonChannel:
         details = (error.details() if callable(getattr(error, "details", None)) else None) or str(error)
         lowered = details.lower()
         if code in _CREDENTIAL_CODES:
-            given = "the token given" if self.has_token else "no token (pass token= or set GEAR_TOKEN / GEAR_TOKEN_FILE)"
+            given = ("the token given" if self.has_token
+                     else "no token (pass token= or set GEAR_TOKEN / GEAR_TOKEN_FILE)")
             return "token", f"the daemon at {self.address} refused the call's credentials ({details}); sent {given}"
         if "resolv" in lowered or "dns" in lowered or "name not found" in lowered or "lookup" in lowered:
             return "unresolvable", f"the host of {self.address} cannot be resolved ({details})"

@@ -83,7 +83,8 @@ def open_local_lane(stub, timeout: float = _NEGOTIATE_TIMEOUT_S, metadata: Any =
     """A connected lane to the daemon behind ``stub``; ``NOT_LOCAL`` when it runs on another host; None when
     it offers none now (not reachable, no lane, refused). ``metadata``: the caller's (a token, say)."""
     try:
-        response, call = stub.ServerInfo.with_call(pb.ServerInfoRequest(), metadata=(*(metadata or ()), (LANE_KEY, "1")),
+        response, call = stub.ServerInfo.with_call(pb.ServerInfoRequest(),
+                                                   metadata=(*(metadata or ()), (LANE_KEY, "1")),
                                                    timeout=timeout, wait_for_ready=False)
     except grpc.RpcError:
         return None

@@ -63,7 +63,10 @@ def decode_batches(views) -> tuple[list, list[list[np.ndarray]], np.ndarray, obj
 
 def assemble(layout: TableLayout, parts: list[list[np.ndarray]], lengths: np.ndarray, window: WindowSpec,
              out: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, BatchLayout]:
-    """Scatter concatenated steps into padded ``[n, T, *shape]`` columns of ``out``; returns (columns, counts, batch)."""
+    """Scatter concatenated steps into padded ``[n, T, *shape]`` columns of ``out``.
+
+    Returns (columns, counts, batch).
+    """
     n = lengths.shape[0]
     windows = resolve_windows(layout, window)
     steps = window_steps(windows)
