@@ -1,6 +1,6 @@
 """Data-plane benchmark: batches from a learner's point of view, per plane, against their ceilings.
 
-Workload (the core issue's): trajectories of 64 steps of {obs: float32[1024],
+Workload (the core benchmark's): trajectories of 64 steps of {obs: float32[1024],
 action: int64, reward: float32} (256.8 KiB each) in a Uniform table of 2048
 items, written by a TrajectoryWriter to a daemon in another process. A learner
 then takes batches of B items; each figure is end to end (Select over gRPC, the
@@ -17,9 +17,9 @@ bytes moved into the learner's memory, Release), in GB/s of item payload:
            (each batch on its own CUDA stream); "deeper": 3 Selects ahead and 4 gathers instead of 2 and 3;
            "8/select" and "1/select": 8 and 1 batches per Select;
            then where one batch's time goes (Select round trip, host launch, gather on the GPU).
-           Goal (issue 10): B=32 shm into GPU memory >= 25 GB/s, printed as met or missed
+           Goal: B=32 shm into GPU memory >= 25 GB/s, printed as met or missed
 * dataset  TrajectoryDataset over the best plane, prefetching (what a training loop sees)
-* client.sample  Reverb's API (items stacked per column), which now picks the best plane itself
+* client.sample  Reverb's API (items stacked per column), which picks the best plane itself
 * rdma     real verbs when a device exists; otherwise only the software overhead per batch
            (range planning, chains, completions) over an emulated NIC that moves no bytes
 * reverb   DeepMind Reverb 0.14's client.sample, side by side in the same run, when
@@ -476,7 +476,7 @@ def print_results(r: dict[str, Any]) -> None:
 
 
 def print_b32_goal(planes: dict[str, Any]) -> None:
-    """Issue 10's goal: B=32 shm into GPU memory >= 25 GB/s (on a machine without a GPU: the CPU figures instead)."""
+    """The goal of B=32 shm into GPU memory >= 25 GB/s (on a machine without a GPU: the CPU figures instead)."""
     goal = GOALS["shm_gpu_b32_gbps"]
     gpu = [n for n in ("shm-gpu pipelined", "shm-gpu deeper", "shm-gpu 8/select") if n in planes]
     if gpu:

@@ -1,4 +1,4 @@
-"""Sharding benchmark: one table over 1, 2 and 4 daemons on this host (issue 11).
+"""Sharding benchmark: one table over 1, 2 and 4 daemons on this host (docs/SHARDING.md).
 
 Every daemon is its own ``gear-server`` process with its own shm segments; the
 client sees them as one table (``reverb.Client([a, b, ...])``). Figures:

@@ -1,6 +1,6 @@
 """Control-plane benchmark: many open writer streams on one daemon, and per-call latency.
 
-Prints, against issue 10's goals:
+Prints, against the control plane's goals (docs/BENCHMARKS.md):
 
 * 1,000 actors (threads in ``--procs`` client processes, each actor its own
   ``Client`` and open ``trajectory_writer``) on one daemon (a child process):

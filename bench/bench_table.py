@@ -99,7 +99,7 @@ def bench_insert(store: SegmentStore, n_items: int, item_bytes: int) -> None:
 def bench_memory(store: SegmentStore, max_size: int, item_bytes: int, fill: int) -> None:
     """Memory as a large table fills: first insert, bytes held, insert latency while it grows.
 
-    Goal (issue 12.5): the first insert is fast and commits about one reservation step, and
+    Goal: the first insert is fast and commits about one reservation step, and
     the table holds about what its items need (Reverb allocates per item); no insert stalls
     for long while the segment grows.
     """
@@ -136,7 +136,7 @@ def bench_memory(store: SegmentStore, max_size: int, item_bytes: int, fill: int)
 
 
 def bench_side(store: SegmentStore, n: int, item_bytes: int, repeats: int) -> None:
-    """Items of a second layout in a table without a signature (issue 12.3): what they cost.
+    """Items of a second layout in a table without a signature: what they cost.
 
     The first item's layout gets the column slots; items of another dtype go to the side store
     (arrays of their own, inline plane only). Figures, per kind: insert time per item, and the

@@ -2,7 +2,7 @@
 
 For every framed message, at several sizes, the median time of one encode
 (or decode) framed by hand and through protobuf, and which one wins. A piece
-is kept framed by hand only where it wins (issue 9.3): sample responses under
+is kept framed by hand only where it wins: sample responses under
 ``wire.HAND_DECODE_MIN_BYTES`` are decoded by protobuf.
 
 Messages:

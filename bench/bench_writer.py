@@ -1,6 +1,6 @@
 """Writer throughput: append + create_item against a servicer that discards the data.
 
-Workload (the issue's): ``steps`` appends of {obs: float32[1024], action: int64,
+Workload (the core benchmark's): ``steps`` appends of {obs: float32[1024], action: int64,
 reward: float32}, then one item over ``history[...][-steps:]`` of every leaf;
 ``items`` times. The figure is item bytes per second of wall time, the final
 flush included. The servicer runs in another process (its own GIL) and only

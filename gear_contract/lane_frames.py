@@ -1,10 +1,10 @@
 """The local lane: small control calls between a client and the daemon on its host, off gRPC.
 
-A Python gRPC unary call costs about 0.4 ms on the 2-core machine whatever it
-carries (about 0.16 ms of CPU in the client and 0.25 ms in the daemon), more
-than DeepMind Reverb's whole ``mutate_priorities`` (C++ on both sides). On the
-daemon's host the same call goes over a Unix stream socket instead, answered
-by a daemon thread that applies it at once: a round trip of about 0.1 ms.
+A Python gRPC unary call costs a fixed few hundred microseconds whatever it
+carries (CPU in both the client and the daemon), more than DeepMind Reverb's
+whole ``mutate_priorities`` (C++ on both sides). On the daemon's host the same
+call goes over a Unix stream socket instead, answered by a daemon thread that
+applies it at once: a round trip of a fraction of that.
 The semantics are those of the RPC: the call returns once the daemon applied
 it, and its errors come back as the status the RPC would end with.
 

@@ -1,4 +1,4 @@
-"""Profile a daemon's answer to Selects of many prioritized picks (issue 11: selection read ahead).
+"""Profile a daemon's answer to Selects of many prioritized picks (a sharded learner's selection read ahead).
 
 One ``gear-server`` process (bench_shards.Daemons) with a prioritized table
 (exponent 0.6) of N one-step items (bench_shards._fill_prio); then, per path

@@ -27,14 +27,14 @@ PIPELINE_PREFETCH = 2
 # Items one pipelined Select asks for at most when it asks for several batches (batches_per_select
 # None): enough that a batch of 32 items is not bound by the Select round trip (4 batches per round
 # trip and two Selects in flight), few enough that the slots leased at once stay well inside a
-# table's spare slots and one gather's buffer stays small (measured on the 2-core machine: 256 items
-# of 256 KiB per Select gathered slower than 128).
+# table's spare slots and one gather's buffer stays small (256 items of 256 KiB per Select gather
+# more slowly on a host than 128).
 ITEMS_PER_SELECT = 128
 # Into GPU memory the gather runs at the PCIe ceiling, so the Select round trip is what a batch
 # waits for; and under insert load every Select costs the daemon's one interpreter. A GPU learner
 # asks for more batches per Select (B=256: 4), bounded in bytes so that one gather's device buffer
-# stays moderate (measured on the H100 machine with 8 actors inserting: B=256 learner 27 GB/s at
-# one batch per Select, 49 GB/s at four, solo 50).
+# stays moderate. Beside inserting actors, one batch per Select leaves a B=256 GPU learner at about
+# half its solo rate; four batches per Select keep it at its solo rate (`make bench-scale-gpu`).
 GPU_ITEMS_PER_SELECT = 1024
 GPU_BYTES_PER_SELECT = 512 << 20
 MAX_BATCHES_PER_SELECT = 8

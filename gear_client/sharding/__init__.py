@@ -1,4 +1,4 @@
-"""One table over several daemons (issue 11, docs/SHARDING.md).
+"""One table over several daemons (docs/SHARDING.md).
 
 ``membership`` (which daemons, which answer), ``selection`` (the global split and
 probabilities), ``assembly`` (one batch from the shards' parts), ``sampler``

@@ -139,10 +139,12 @@ class ShardStream:
 
 
 def chunk_items(least: int, most: int, item_bytes: int) -> int:
-    """Items a stream's Select picks: up to ``most`` within STREAM_CHUNK_BYTES, never under ``least``; ``least``
-    when the items' size is not known (inline). Every Select costs both sides a fixed part (the round trip,
-    the answer's framing, the calls around it): a batch of 4096 keys over 4 shards went from 1.8 to 0.8 ms
-    when each Select picked 16384 instead of 4096 (2-core VM)."""
+    """Items a stream's Select picks: up to ``most`` within STREAM_CHUNK_BYTES, never under ``least``.
+
+    ``least`` when the items' size is not known (inline). Every Select costs both sides a fixed part (the
+    round trip, the answer's framing, the calls around it), so a Select picking several batches' worth
+    (16384 keys for batches of 4096 over 4 shards) makes a batch about twice as cheap as one per batch.
+    """
     if item_bytes <= 0:
         return least
     return max(least, min(most, STREAM_CHUNK_BYTES // item_bytes))

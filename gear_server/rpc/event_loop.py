@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop when installed (about 30 us less per RPC on the 2-core machine), else asyncio's."""
+    """uvloop's loop when installed (less CPU per RPC), else asyncio's."""
     try:
         import uvloop
     except ImportError:
