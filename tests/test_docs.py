@@ -124,6 +124,34 @@ def test_no_doc_or_code_file_reads_as_a_log():
         f"{name}: {line}" for name, lines in hits.items() for line in lines)
 
 
+def design_tree() -> list[str]:
+    """The paths docs/DESIGN.md's tree lists: a folder's entries are indented under it, several per line
+    separated by commas; the purpose starts after two spaces (a line indented past the names continues one)."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    block = text[text.index("## Layout of the tree"):].split("```")[1]
+    folders: list[str] = []
+    listed = []
+    for line in block.splitlines():
+        if not line.strip() or line.startswith(" " * 33):
+            continue
+        level = (len(line) - len(line.lstrip())) // 2
+        names = re.split(r"\s{2,}", line.strip())[0]
+        folders = folders[:level]
+        listed += ["".join(folders) + name.strip() for name in names.split(",")]
+        if names.endswith("/"):
+            folders.append(names)
+    return listed
+
+
+def test_the_design_tree_lists_every_module_once():
+    listed = design_tree()
+    modules = sorted(str(p.relative_to(ROOT)) for p in repo_files() if p.suffix == ".py"
+                     and p.name != "__init__.py" and p.relative_to(ROOT).parts[0].startswith("gear_"))
+    assert sorted(set(modules) - set(listed)) == [], "modules on disk that docs/DESIGN.md's tree does not list"
+    assert [p for p in listed if not (ROOT / p).exists()] == [], "docs/DESIGN.md's tree lists paths that do not exist"
+    assert sorted(p for p in set(listed) if listed.count(p) > 1) == [], "docs/DESIGN.md's tree lists paths twice"
+
+
 def test_the_checks_find_what_they_look_for():
     """Each check on a text made to fail it (so a broken pattern cannot pass everything)."""
     text = ("see `bench/bench_core.py`, prof/prof_nothing.py and gear_server/table/ (not x/bench/y);\n"
