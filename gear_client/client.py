@@ -64,12 +64,31 @@ class Client:
     def __init__(self, server_address: str, client: Client | None = None, *, token: str | None = None,
                  root_certificates: Any = None, certificate_chain: Any = None, private_key: Any = None,
                  data_planes: Sequence[str] | None = None, connect_timeout: float | None = None):
-        """``server_address``: "host:port" (no port is an error: gRPC would dial 443).
+        """A client of the daemon at ``server_address``; nothing is sent until the first call.
 
-        ``data_planes``: the planes ``sample`` may negotiate besides inline (default ``("shm", "rdma")``,
-        or the comma-separated ``GEAR_DATA_PLANES``; ``()`` or ``"inline"`` keeps every sample on gRPC).
-        ``connect_timeout``: seconds a call waits for an unreachable daemon before ConnectError (default
-        ``GEAR_CONNECT_TIMEOUT`` or 30; -1 waits forever)."""
+        Args:
+          server_address: "host:port" of the daemon (without a port gRPC would dial 443, so it is refused).
+            Several daemons (a list, "a:p,b:p" or "shards:NAME:PORT") give a ShardedClient that sees each
+            table as one (docs/SHARDING.md).
+          client: an existing Client of the same address whose channel this one shares (Reverb's
+            pre-existing client).
+          token: the bearer token the daemon's ``[auth]`` asks for (else ``GEAR_TOKEN`` or the file named by
+            ``GEAR_TOKEN_FILE``).
+          root_certificates: PEM bytes or path of the CAs to trust: the channel uses TLS (else
+            ``GEAR_TLS_ROOT_CERTS``).
+          certificate_chain: PEM bytes or path of this client's certificate, for mutual TLS (with
+            ``private_key``; else ``GEAR_TLS_CERT_CHAIN``).
+          private_key: PEM bytes or path of that certificate's key (else ``GEAR_TLS_PRIVATE_KEY``).
+          data_planes: the planes ``sample`` may negotiate besides inline (default ``("shm", "rdma")``, or
+            the comma-separated ``GEAR_DATA_PLANES``; ``()`` or ``"inline"`` keeps every sample on gRPC).
+          connect_timeout: seconds a call waits for an unreachable daemon before ConnectError (default
+            ``GEAR_CONNECT_TIMEOUT``, else 30; -1 waits forever).
+
+        Raises:
+          ValueError: the address names no port, a data plane is unknown, or the connect timeout is not a
+            number. Credentials are checked at the first call (ValueError: an empty token, a certificate
+            chain without its key).
+        """
         self._server_address = check_address(server_address)
         self._data_planes = _data_planes_option(data_planes)
         self._connect_timeout = connect_timeout_option(connect_timeout)
@@ -193,6 +212,16 @@ class Client:
 
         The item holds a single step: every leaf gains a leading time dimension of 1.
         Blocks while a table's rate limiter holds the insert.
+
+        Args:
+          data: a nest of arrays or scalars (numeric, bool or fixed-size strings).
+          priorities: table name -> the item's priority in that table (finite, >= 0).
+
+        Raises:
+          ValueError: ``priorities`` or ``data`` is empty, a leaf has object dtype, a table does not
+            exist, a priority is invalid or the data does not fit a table's signature.
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+          ServiceError: the daemon refused or did not acknowledge the insert.
         """
         if not priorities:
             raise ValueError("priorities must contain at least one item")
@@ -234,7 +263,19 @@ class Client:
 
     def writer(self, max_sequence_length: int, delta_encoded: bool = False, chunk_length: int | None = None,
                max_in_flight_items: int | None = 25):
-        """A legacy ``Writer`` whose items span at most ``max_sequence_length`` steps (it validates its arguments)."""
+        """A legacy ``Writer`` whose items span at most ``max_sequence_length`` steps.
+
+        Args:
+          max_sequence_length: the most steps an item may span.
+          delta_encoded: accepted for Reverb's API (it tunes Reverb's compression; bytes travel raw here).
+          chunk_length: accepted likewise; between 1 and ``max_sequence_length`` (default
+            ``min(10, max_sequence_length)``).
+          max_in_flight_items: items the writer may have unacknowledged (None: no practical bound).
+
+        Raises:
+          ValueError: an argument out of range (as Reverb's checks).
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+        """
         from gear_client.writers.legacy_writer import Writer
 
         self._wait_ready("writer")
@@ -245,8 +286,16 @@ class Client:
                           get_signature_timeout_ms: int | None = 3000, reconnect_timeout_s: float | None = None):
         """A ``TrajectoryWriter`` whose items may reach ``num_keep_alive_refs`` steps back.
 
-        ``reconnect_timeout_s`` (default: this client's connect timeout): how long the writer waits for a
-        daemon that went away before it gives up the unacknowledged items (ItemsNotInsertedError).
+        Args:
+          num_keep_alive_refs: how many of the latest steps stay referable (``writer.history``).
+          validate_items: check each item against its table's signature before sending it.
+          get_signature_timeout_ms: accepted for Reverb's API; signatures are fetched when first needed.
+          reconnect_timeout_s: how long the writer waits for a daemon that went away before it gives up
+            the unacknowledged items (ItemsNotInsertedError); default: this client's connect timeout.
+
+        Raises:
+          ValueError: ``num_keep_alive_refs`` is not positive.
+          ConnectError: the daemon stayed unreachable past the connect timeout.
         """
         if num_keep_alive_refs < 1:
             raise ValueError(f"num_keep_alive_refs ({num_keep_alive_refs}) must be a positive integer")
@@ -258,7 +307,15 @@ class Client:
                                 reconnect_timeout_s=reconnect_timeout_s)
 
     def structured_writer(self, configs: Sequence[Any]):
-        """A ``StructuredWriter`` that inserts items as ``configs`` describe (reverb.structured_writer)."""
+        """A ``StructuredWriter`` that inserts items as ``configs`` describe (reverb.structured_writer).
+
+        Args:
+          configs: structured-writer configs (``structured_writer.create_config``), at least one.
+
+        Raises:
+          ValueError: ``configs`` is empty or a config is invalid.
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+        """
         if not configs:
             raise ValueError("At least one config must be provided.")
         from gear_client.writers.structured_writer import StructuredWriter
@@ -277,16 +334,20 @@ class Client:
         per step (``emit_timesteps=True``).
 
         Args:
-          table: the table's name.
-          num_samples: how many items.
-          emit_timesteps: one ReplaySample per step (True) or per trajectory.
-          unpack_as_table_signature: data as the table's structure instead of a flat list.
+          table: the table to sample from.
+          num_samples: how many items to yield.
+          emit_timesteps: yield each item as a list of one ReplaySample per step (Reverb's default).
+          unpack_as_table_signature: data in the table signature's structure instead of its flat leaves.
           columns: gear only: fetch only these fields (paths such as "obs" or "obs/rgb", a list of
             them, or a nest of the wanted fields); data then holds only them, in the table's order
             (unpacked: the table's structure pruned to them). Takes a data-plane session of its own.
 
         Raises:
           ValueError: a path in ``columns`` names no field (nothing is sampled).
+          RuntimeError: the daemon has no table ``table`` (ValueError when the signature or ``columns``
+            is asked for).
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+          ServiceError: the daemon ended the call (stopping, out of resources).
         """
         if columns is not None:
             yield from self._sample_columns(table, int(num_samples), columns, emit_timesteps,
@@ -404,6 +465,16 @@ class Client:
 
         Returns once the daemon applied it. On the daemon's host the call takes the local lane
         (gear_client/connection/lane_client.py), else (or when the lane fails) gRPC.
+
+        Args:
+          table: the table holding the items.
+          updates: item key -> new priority (finite, >= 0).
+          deletes: keys of the items to remove.
+
+        Raises:
+          ValueError: a priority is negative, NaN or infinite (nothing is applied).
+          RuntimeError: the daemon has no table ``table``.
+          ConnectError: the daemon stayed unreachable past the connect timeout.
         """
         if deletes is not None and not isinstance(deletes, (list, tuple)):
             deletes = list(deletes)  # read twice when the lane gives way to gRPC
@@ -420,17 +491,39 @@ class Client:
         self._unary("mutate_priorities", lambda _: daemon.mutate_call, encode_priority_updates(table, updates, deletes))
 
     def reset(self, table: str) -> None:
-        """Empty the table and reset its rate limiter."""
+        """Empty the table and reset its rate limiter.
+
+        Args:
+          table: the table to empty.
+
+        Raises:
+          RuntimeError: the daemon has no table ``table``.
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+        """
         self._unary("reset", lambda stub: stub.Reset, pb.ResetRequest(table=table))
 
     def server_info(self, timeout: float | None = None) -> dict[str, Any]:
-        """Table name -> TableInfo; DeadlineExceededError when the daemon does not answer within ``timeout`` s."""
+        """Table name -> TableInfo of every table of the daemon.
+
+        Args:
+          timeout: seconds to wait for the answer (None or 0: no deadline beyond the connect timeout).
+
+        Raises:
+          DeadlineExceededError: the daemon did not answer within ``timeout``.
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+        """
 
         response = self._fetch_server_info(timeout or None)
         return {t.name: TableInfo.from_proto(t) for t in response.table_info}
 
     def checkpoint(self) -> str:
-        """Have the daemon write a checkpoint; returns its path."""
+        """Have the daemon write a checkpoint of every table; returns its path.
+
+        Raises:
+          NotImplementedError: the daemon has no checkpoint directory configured.
+          ServiceError: writing the checkpoint failed (the daemon logs why).
+          ConnectError: the daemon stayed unreachable past the connect timeout.
+        """
         return self._unary("checkpoint", lambda stub: stub.Checkpoint, pb.CheckpointRequest()).path
 
     def _check_rate_limiter(self, table: str, num_samples: int = 0, num_inserts: int = 0

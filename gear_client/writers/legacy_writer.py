@@ -24,7 +24,7 @@ _log = logging.getLogger(__name__)
 class Writer:
     """Streams steps of a fixed structure; items reference the most recent steps.
 
-    Construct it with ``client.writer(max_sequence_length, ...)``.
+    Construct it with ``client.writer(max_sequence_length, ...)`` (arguments described there).
     """
 
     def __init__(self, client: Any, max_sequence_length: int, delta_encoded: bool = False,
@@ -78,7 +78,16 @@ class Writer:
             raise RuntimeError("the Writer is closed")
 
     def append(self, data: Any) -> None:
-        """Append one step; every step must have the structure of the first."""
+        """Append one step; every step must have the structure of the first.
+
+        Args:
+          data: a nest of arrays or scalars, of the first step's structure, dtypes and shapes.
+
+        Raises:
+          ValueError: ``data`` holds no array, or its structure, a dtype or a shape differs from the first
+            step's.
+          RuntimeError: the writer is closed.
+        """
         self._check_open()
         leaves = nest.flatten(data)
         if self._skeleton is None:
@@ -93,7 +102,15 @@ class Writer:
         self._steps += 1
 
     def append_sequence(self, sequence: Any) -> None:
-        """Append ``T`` steps at once: every leaf has a leading dimension ``T``."""
+        """Append ``T`` steps at once: every leaf has a leading dimension ``T``.
+
+        Args:
+          sequence: a nest whose leaves all have the same leading dimension ``T``.
+
+        Raises:
+          ValueError: ``sequence`` holds no array, or its leaves' leading dimensions differ.
+          RuntimeError: the writer is closed.
+        """
         self._check_open()
         leaves = nest.flatten(sequence)
         if not leaves:
@@ -105,7 +122,18 @@ class Writer:
             self.append(nest.pack_as(sequence, [leaf[t] for leaf in leaves]))
 
     def create_item(self, table: str, num_timesteps: int, priority: float) -> None:
-        """Insert an item into ``table`` referencing the last ``num_timesteps`` steps."""
+        """Insert an item into ``table`` referencing the last ``num_timesteps`` steps.
+
+        Args:
+          table: the table to insert into.
+          num_timesteps: how many of the latest steps the item spans (1 to ``max_sequence_length``).
+          priority: the item's priority (finite, >= 0).
+
+        Raises:
+          ValueError: ``num_timesteps`` is out of range or more than the steps appended, the priority is
+            invalid, the table does not exist or the item does not fit its signature.
+          RuntimeError: the writer is closed.
+        """
         self._check_open()
         if num_timesteps < 1:
             raise ValueError(f"num_timesteps ({num_timesteps}) must be a positive integer")
@@ -120,12 +148,25 @@ class Writer:
         self._writer.create_item(table, priority, nest.pack_as(self._skeleton, columns))
 
     def flush(self) -> None:
-        """Block until every item created so far is in its table."""
+        """Block until every item created so far is in its table.
+
+        Raises:
+          ItemsNotInsertedError: items were given up (the daemon stayed away past the reconnect timeout).
+          RuntimeError: the writer is closed.
+        """
         self._check_open()
         self._writer.flush()
 
     def close(self, retry_on_unavailable: bool = True) -> None:
-        """Flush and end the stream (and the episode). The writer cannot be used afterwards."""
+        """Flush and end the stream (and the episode). The writer cannot be used afterwards.
+
+        Args:
+          retry_on_unavailable: accepted for Reverb's API; the writer always resends after a daemon
+            restart, within its reconnect timeout.
+
+        Raises:
+          ValueError: the writer was already closed.
+        """
         if self._closed:
             raise ValueError("close() has already been called on Writer.")
         self._closed = True

@@ -58,6 +58,16 @@ class StructuredWriter:
     """Appends steps and inserts the items its configs describe (``client.structured_writer(configs)``)."""
 
     def __init__(self, client: Any, configs: Sequence[Config]):
+        """A writer of ``client`` applying ``configs`` after every step.
+
+        Args:
+          client: the Client whose daemon receives the items.
+          configs: configs made with ``create_config``, at least one.
+
+        Raises:
+          ValueError: ``configs`` is empty, or a config's pattern or priority is invalid.
+          TypeError: a config was not made with ``create_config``.
+        """
         if not configs:
             raise ValueError("At least one config must be provided.")
         for config in configs:
@@ -91,7 +101,18 @@ class StructuredWriter:
         return self._step_open
 
     def append(self, data: Any, *, partial_step: bool = False) -> None:
-        """Append a step (same flattened length every time; None leaves allowed), then apply the configs."""
+        """Append a step (same flattened length every time; None leaves allowed), then apply the configs.
+
+        Args:
+          data: a nest of arrays, scalars or None (a field without a value at this step).
+          partial_step: leave the step open: the next ``append`` fills in more of its fields, and the
+            configs apply once the step is complete.
+
+        Raises:
+          ValueError: the step's flattened length differs from the first step's, a config references a
+            field the step does not have, or an item does not fit its table (as ``create_item``).
+          RuntimeError: the writer is closed.
+        """
         self._append_flat([leaf for _, leaf in nest.flatten_with_paths(data, none_is_leaf=True)], partial_step)
 
     def _append_flat(self, flat: list[Any], partial_step: bool) -> None:
@@ -150,13 +171,31 @@ class StructuredWriter:
                 state.steps_since_applied = 0
 
     def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
-        """Block until all but ``block_until_num_items`` items are confirmed by the server."""
+        """Block until all but ``block_until_num_items`` items are confirmed by the server.
+
+        Args:
+          block_until_num_items: how many items may stay unacknowledged.
+          timeout_ms: the most milliseconds to wait (None or negative: no limit).
+
+        Raises:
+          DeadlineExceededError: the items were not acknowledged within ``timeout_ms``.
+          ItemsNotInsertedError: items were given up (the daemon stayed away past the reconnect timeout).
+          RuntimeError: the writer is closed.
+        """
         self._writer.flush(block_until_num_items, timeout_ms)
 
     def end_episode(self, clear_buffers: bool = True, timeout_ms: int | None = None) -> None:
         """Finish an open partial step, apply the end-of-episode configs, flush, and start a new episode.
 
         The episode is reset even when the flush times out (DeadlineExceededError).
+
+        Args:
+          clear_buffers: forget the appended steps.
+          timeout_ms: the most milliseconds the flush waits (None: no limit).
+
+        Raises:
+          DeadlineExceededError: the flush did not complete within ``timeout_ms``.
+          ItemsNotInsertedError: items were given up (the daemon stayed away past the reconnect timeout).
         """
         if self._step_open:
             self._append_flat([None] * (self._flat_data_length or 0), partial_step=False)
@@ -171,4 +210,5 @@ class StructuredWriter:
                 state.end_of_episode = False
 
     def close(self) -> None:
+        """End the stream (items not yet acknowledged may be lost; ``flush`` first to keep them)."""
         self._writer.close()

@@ -132,7 +132,18 @@ class TrajectoryWriter:
         return max([self._keep] + [c.keep for c in self._columns])
 
     def configure(self, path: tuple, *, num_keep_alive_refs: int, max_chunk_length: int | None) -> None:
-        """Override the keep-alive window (and the chunk length) of one column."""
+        """Override the keep-alive window (and the chunk length) of one column.
+
+        Args:
+          path: the column's path in the appended structure (a tuple of keys and indices).
+          num_keep_alive_refs: how many of that column's latest steps stay referable.
+          max_chunk_length: steps per chunk of that column (None: the writer decides), at most
+            ``num_keep_alive_refs``.
+
+        Raises:
+          TypeError: ``path`` is not a tuple.
+          ValueError: ``num_keep_alive_refs`` is not positive or ``max_chunk_length`` is out of range.
+        """
         if not isinstance(path, tuple):
             raise TypeError(f"path must be a tuple, got {type(path)}")
         if num_keep_alive_refs < 1:
@@ -143,7 +154,17 @@ class TrajectoryWriter:
         self._layout.configure(path, num_keep_alive_refs, max_chunk_length)
 
     def append(self, data: Any, *, partial_step: bool = False) -> None:
-        """Append one step (or part of it, with ``partial_step``) column-wise."""
+        """Append one step (or part of it, with ``partial_step``) column-wise.
+
+        Args:
+          data: a nest of arrays or scalars; each leaf path is one column, and a leaf may be left out of a
+            step (None in its history).
+          partial_step: leave the step open: the next ``append`` adds columns to the same step.
+
+        Raises:
+          ValueError: a leaf has object dtype, or a dtype or shape other than its column's earlier steps.
+          RuntimeError: the writer is closed.
+        """
         if self._closed:
             raise RuntimeError(_CLOSED)
         # Fast path: a flat dict/sequence of leaves laid out as before, with the
@@ -169,7 +190,26 @@ class TrajectoryWriter:
             self._new_step(columns, values, missing, partial_step)
 
     def create_item(self, table: str, priority: float, trajectory: Any) -> None:
-        """Send an item of ``table`` made of the trajectory's columns (blocks past max_in_flight_items)."""
+        """Send an item of ``table`` made of the trajectory's columns.
+
+        Blocks while ``max_in_flight_items`` items are unacknowledged (only while the table's rate
+        limiter holds inserts).
+
+        Args:
+          table: the table to insert into.
+          priority: the item's priority (finite, >= 0).
+          trajectory: a nest of ``TrajectoryColumn``s from ``history`` (each at least one step).
+
+        Raises:
+          TypeError: a leaf of ``trajectory`` is not a TrajectoryColumn.
+          ValueError: the priority is invalid, a column is empty, refers to expired data or to another
+            writer, the table does not exist, or the item does not fit the table's signature
+            (``validate_items``).
+          ItemsNotInsertedError: earlier items were given up (the daemon stayed away past
+            ``reconnect_timeout_s``).
+          DeadlineExceededError: waiting for in-flight items timed out.
+          RuntimeError: the writer is closed.
+        """
         self._check_open()
         flat, treedef = nest.flatten_with_treedef(trajectory)
         for column in flat:
@@ -222,7 +262,18 @@ class TrajectoryWriter:
                          self._chunker.take_releases())
 
     def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
-        """Block until at most ``block_until_num_items`` items are unacknowledged by the server."""
+        """Block until at most ``block_until_num_items`` items are unacknowledged by the server.
+
+        Args:
+          block_until_num_items: how many items may stay unacknowledged.
+          timeout_ms: the most milliseconds to wait (None or negative: no limit).
+
+        Raises:
+          ValueError: ``block_until_num_items`` is negative, or an earlier item was refused.
+          DeadlineExceededError: the items were not acknowledged within ``timeout_ms``.
+          ItemsNotInsertedError: items were given up (the daemon stayed away past ``reconnect_timeout_s``).
+          RuntimeError: the writer is closed.
+        """
         self._check_open()
         if block_until_num_items < 0:
             raise ValueError(f"block_until_num_items must be >= 0, got {block_until_num_items}")
@@ -247,6 +298,15 @@ class TrajectoryWriter:
         """Flush, then start a new episode (and forget the history with ``clear_buffers``).
 
         The episode is reset even when the flush times out (DeadlineExceededError).
+
+        Args:
+          clear_buffers: forget the appended steps (``history`` starts empty).
+          timeout_ms: the most milliseconds the flush waits (None: no limit).
+
+        Raises:
+          DeadlineExceededError: the flush did not complete within ``timeout_ms``.
+          ItemsNotInsertedError: items were given up (the daemon stayed away past ``reconnect_timeout_s``).
+          RuntimeError: the writer is closed.
         """
         try:
             self.flush(0, timeout_ms)
