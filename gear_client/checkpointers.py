@@ -26,14 +26,20 @@ class CheckpointerBase(abc.ABC):
 
 
 class DefaultCheckpointer(CheckpointerBase):
-    """Stores checkpoints under ``path``; restores the newest one found there at start.
-
-    ``fallback_checkpoint_path`` names one checkpoint to load when ``path`` holds none
-    (to start from another experiment's data). ``group`` is accepted for Reverb
-    compatibility and ignored.
-    """
+    """Stores checkpoints under ``path``; restores the newest one found there at start."""
 
     def __init__(self, path: str, group: str = "", fallback_checkpoint_path: str | None = None):
+        """A checkpointer writing under ``path``.
+
+        Args:
+          path: the directory checkpoints are written to and restored from (created when needed).
+          group: accepted for Reverb's API and ignored.
+          fallback_checkpoint_path: one checkpoint to load when ``path`` holds none (to start from another
+            experiment's data).
+
+        Raises:
+          ValueError: ``path`` is empty.
+        """
         if not path:
             raise ValueError("path must name a directory")
         self.path = os.fspath(path)
@@ -57,10 +63,15 @@ class TempDirCheckpointer(DefaultCheckpointer):
     """Stores checkpoints in a fresh temporary directory."""
 
     def __init__(self):
+        """A checkpointer writing into a new directory under the system's temporary directory."""
         super().__init__(tempfile.mkdtemp(prefix="gear-checkpoints-"))
 
 
 def default_checkpointer(group: str | None = None) -> CheckpointerBase:
-    """The checkpointer a Server uses when given none (a temporary directory, as in Reverb)."""
+    """The checkpointer a Server uses when given none (a temporary directory, as in Reverb).
+
+    Args:
+      group: accepted for Reverb's API and ignored.
+    """
     del group
     return TempDirCheckpointer()

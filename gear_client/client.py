@@ -520,7 +520,7 @@ class Client:
         """Have the daemon write a checkpoint of every table; returns its path.
 
         Raises:
-          NotImplementedError: the daemon has no checkpoint directory configured.
+          NotImplementedError: the daemon has no checkpoint directory (a ``gear-server`` without ``[checkpoint] dir``).
           ServiceError: writing the checkpoint failed (the daemon logs why).
           ConnectError: the daemon stayed unreachable past the connect timeout.
         """

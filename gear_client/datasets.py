@@ -89,19 +89,10 @@ def _rebuild(cls: type, args: tuple, kwargs: dict) -> TrajectoryDataset:
 class TrajectoryDataset(_iterable_dataset_base()):
     """Batches of trajectories from ``table`` (see module docstring).
 
-    ``rate_limiter_timeout_ms``: end the iteration when no item could be sampled
-    for that long (-1: wait forever, as Reverb). ``max_samples``: end after that
-    many items (-1: never). ``planes``: restrict the data planes to try
-    ("shm", "rdma", "stream", "inline"). ``output``: None (NumPy / CuPy as the device says),
-    "torch" or "jax". ``prefetch``: batches kept ready ahead of the learner, on
-    tables that may be read ahead.
-
-    ``columns``: only these fields are fetched (paths such as ``"obs"`` or
-    ``"obs/rgb"``, or a nest of the wanted fields); the batches hold only them.
-    ``rank``/``world_size`` (default: torch.distributed's when it is
-    initialised), ``seed`` and ``group_id``: data-parallel ranks on one global
-    selection: rank r of world w gets rows [r B, (r+1) B) of the batch of w B
-    items that one sampler with the same seed would get (docs/DATA_PLANES.md).
+    Iterating yields ``ReplaySample(info, data)`` batches. The iteration raises what the
+    background producer met: ``ConnectError`` (the daemon stayed unreachable past the connect
+    timeout), ``RuntimeError`` (no such table), ``ValueError`` (a batch of items of several layouts
+    in a table without a signature, which cannot be stacked).
     """
 
     def __init__(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
@@ -109,6 +100,37 @@ class TrajectoryDataset(_iterable_dataset_base()):
                  rate_limiter_timeout_ms: int = -1, max_samples: int = -1, sampler_options: dict | None = None,
                  columns: Any = None, rank: int | None = None, world_size: int | None = None,
                  seed: int | None = None, group_id: str | None = None):
+        """Open a session on ``table`` and start prefetching in the background.
+
+        Args:
+          server_address: "host:port" of the daemon, or several daemons holding one sharded table (a list,
+            "a:p,b:p" or "shards:NAME:PORT"; docs/SHARDING.md).
+          table: the table to sample from.
+          batch_size: items per batch (per rank, with ranks).
+          window: which steps of each item: None (whole items, zero-padded past each item's length), an
+            int ``n`` (the first ``n`` steps), a ``Window``, or one ``Window`` per column.
+          device: None for host memory; "cuda", "cuda:N" or a device id for batches in GPU memory.
+          output: None (NumPy, or CuPy on a GPU device), "numpy", "cupy", "torch" or "jax" (through DLPack).
+          prefetch: batches kept ready ahead of the learner, on tables that may be read ahead.
+          planes: the data planes to try ("shm", "rdma", "stream", "inline"; default: all, best first).
+          rate_limiter_timeout_ms: end the iteration when no item could be sampled for that long (-1: wait
+            forever, as Reverb).
+          max_samples: end after that many items (-1: never).
+          sampler_options: keyword arguments for the sampler underneath (``PlaneSampler``), e.g.
+            ``rdma_device`` or ``num_qps``.
+          columns: only these fields are fetched (paths such as ``"obs"`` or ``"obs/rgb"``, or a nest of
+            the wanted fields); the batches hold only them.
+          rank, world_size: data-parallel ranks on one global selection (default: torch.distributed's
+            when it is initialised): rank r of world w gets rows [r B, (r+1) B) of the batch of w B items
+            that one sampler with the same seed would get (docs/DATA_PLANES.md).
+          seed: the selection's seed, the same on every rank (default: derived from the group id).
+          group_id: the ranks' selection group, the same on every rank (default: from torch.distributed's
+            rendezvous, else the table, world size and seed).
+
+        Raises:
+          ValueError: ``batch_size`` or ``prefetch`` below 1, an unknown ``output`` or plane name, a bad
+            rank or world size, or the server address names no port.
+        """
         self._configure(server_address, table, batch_size, window=window, device=device, output=output,
                         prefetch=prefetch, planes=planes, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
                         max_samples=max_samples, sampler_options=sampler_options, columns=columns, rank=rank,
@@ -281,7 +303,11 @@ class TrajectoryDataset(_iterable_dataset_base()):
 
     # ---------------------------------------------------------------- consumer
     def batches(self) -> Iterator[SampledBatch]:
-        """The batches with everything: info arrays, padded columns and valid lengths."""
+        """The batches with everything: info arrays, padded columns and valid lengths.
+
+        Raises:
+          ConnectError, RuntimeError, ValueError: as iterating the dataset does.
+        """
         while True:
             batch = self._next_batch()
             if batch is None:
@@ -333,7 +359,11 @@ class TrajectoryDataset(_iterable_dataset_base()):
 
     # ---------------------------------------------------------------- lifecycle
     def close(self, timeout: float = 10.0) -> None:
-        """Stop prefetching, end the session, join the thread. Idempotent."""
+        """Stop prefetching, end the session, join the thread. Idempotent.
+
+        Args:
+          timeout: the most seconds to wait for the background thread.
+        """
         if self._started_in != os.getpid():
             # Never started here, or inherited through fork: the session and thread belong to another process.
             self._done = True
@@ -365,7 +395,9 @@ class TimestepDataset(TrajectoryDataset):
     """Batches of single timesteps: each item's first step, without a time dimension.
 
     For tables whose items are single steps (``Client.insert``, or writers with
-    one-step items): data leaves are ``[batch, *shape]``.
+    one-step items): data leaves are ``[batch, *shape]``. It takes
+    ``TrajectoryDataset``'s arguments; ``window`` may only be None or 1
+    (ValueError otherwise).
     """
 
     def _configure(self, server_address: Any, table: str, batch_size: int, **kwargs: Any) -> None:

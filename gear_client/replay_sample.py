@@ -27,7 +27,11 @@ class SampleInfo(NamedTuple):
 
     @classmethod
     def from_proto(cls, msg: Any) -> SampleInfo:
-        """From a ``gear.v1.SampleInfo``."""
+        """From a ``gear.v1.SampleInfo``.
+
+        Args:
+          msg: the message (or any object with its five fields).
+        """
         return cls(int(msg.key), float(msg.probability), int(msg.table_size), float(msg.priority),
                    int(msg.times_sampled))
 
@@ -59,7 +63,17 @@ class ReplaySample(NamedTuple):
 
 def emit_sample(info: SampleInfo, data: list, structure: pb.Structure | None, emit_timesteps: bool
                 ) -> list[ReplaySample] | ReplaySample:
-    """What ``sample`` yields for one item: its ReplaySample, or one per step (``emit_timesteps``)."""
+    """What ``sample`` yields for one item: its ReplaySample, or one per step (``emit_timesteps``).
+
+    Args:
+      info: the item's sampling information.
+      data: the item's columns, flat, each ``[steps, *shape]``.
+      structure: the nest to unpack ``data`` into (None: keep the flat list).
+      emit_timesteps: split the item into one ReplaySample per step.
+
+    Raises:
+      ValueError: ``emit_timesteps`` with columns of different lengths or without a time dimension.
+    """
     if emit_timesteps:
         if len({_length_of(col) for col in data}) != 1:
             raise ValueError("Can't split non timestep trajectory into timesteps.")

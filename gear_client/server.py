@@ -51,12 +51,26 @@ class Table:
     def __init__(self, name: str, sampler: selectors_lib.SelectorType, remover: selectors_lib.SelectorType,
                  max_size: int, rate_limiter: rate_limiters_lib.RateLimiter, max_times_sampled: int = 0,
                  extensions: Sequence[Any] = (), signature: Any = None, gpu_mirror: dict[str, Any] | None = None):
-        """Args (beyond Reverb's): ``gpu_mirror``: mirror the table's most recent items into one GPU's memory
-        on the daemon's host, e.g. ``{"device": 0, "bytes": 8 << 30}`` (``bytes`` may be ``"8GiB"``; docs/DATA_PLANES.md,
-        device tier).
+        """Define a table; it is created, empty, when a Server is started with it.
+
+        Args:
+          name: the table's name, unique within its server.
+          sampler: the selector that picks items to sample (``reverb.selectors``).
+          remover: the selector that picks the item to remove when the table is full.
+          max_size: the most items the table holds.
+          rate_limiter: the rate limiter between inserts and samples (``reverb.rate_limiters``).
+          max_times_sampled: remove an item after it was sampled that many times (0: never).
+          extensions: Reverb's C++ table extensions: not supported, must be empty.
+          signature: a nest of specs (anything with ``.shape`` and ``.dtype``, ``tf.TensorSpec`` too) the
+            items must match; None: items of any structure.
+          gpu_mirror: gear only: mirror the table's most recent items into one GPU's memory on the daemon's
+            host, e.g. ``{"device": 0, "bytes": 8 << 30}`` (``bytes`` may be ``"8GiB"``; docs/DATA_PLANES.md,
+            device tier).
 
         Raises:
-          ValueError: a bad option (the message names it).
+          ValueError: an empty name, ``max_size`` not positive, extensions given, a sampler, remover or rate
+            limiter that is not one of Reverb's, a signature that cannot be expressed, or a bad
+            ``gpu_mirror`` option (the message names it).
         """
         if not name:
             raise ValueError("name must be nonempty")
@@ -89,14 +103,34 @@ class Table:
 
     @classmethod
     def queue(cls, name: str, max_size: int, extensions: Sequence[Any] = (), signature: Any = None) -> Table:
-        """A table that behaves as a queue of ``max_size`` items."""
+        """A table that behaves as a queue of ``max_size`` items (each sampled once, oldest first).
+
+        Args:
+          name: the table's name.
+          max_size: the most items the queue holds; inserts block while it is full.
+          extensions: not supported, must be empty.
+          signature: as for ``Table``.
+
+        Raises:
+          ValueError: as for ``Table``.
+        """
         return cls(name=name, sampler=selectors_lib.Fifo(), remover=selectors_lib.Fifo(), max_size=max_size,
                    max_times_sampled=1, rate_limiter=rate_limiters_lib.Queue(max_size), extensions=extensions,
                    signature=signature)
 
     @classmethod
     def stack(cls, name: str, max_size: int, extensions: Sequence[Any] = (), signature: Any = None) -> Table:
-        """A table that behaves as a stack of ``max_size`` items."""
+        """A table that behaves as a stack of ``max_size`` items (each sampled once, newest first).
+
+        Args:
+          name: the table's name.
+          max_size: the most items the stack holds; inserts block while it is full.
+          extensions: not supported, must be empty.
+          signature: as for ``Table``.
+
+        Raises:
+          ValueError: as for ``Table``.
+        """
         return cls(name=name, sampler=selectors_lib.Lifo(), remover=selectors_lib.Lifo(), max_size=max_size,
                    max_times_sampled=1, rate_limiter=rate_limiters_lib.Stack(max_size), extensions=extensions,
                    signature=signature)
@@ -104,7 +138,15 @@ class Table:
     def replace(self, name: str | None = None, sampler: Any = None, remover: Any = None, max_size: int | None = None,
                 rate_limiter: Any = None, max_times_sampled: int | None = None, signature: Any = None,
                 extensions: Sequence[Any] | None = None, gpu_mirror: dict[str, Any] | None = None) -> Table:
-        """A new, empty table with this one's settings except those given."""
+        """A new, empty table with this one's settings except those given.
+
+        Args:
+          name, sampler, remover, max_size, rate_limiter, max_times_sampled, signature, extensions, gpu_mirror:
+            as for ``Table``; None keeps this table's setting.
+
+        Raises:
+          ValueError: as for ``Table``.
+        """
         return Table(
             name=self._name if name is None else name, sampler=sampler or self._sampler,
             remover=remover or self._remover, max_size=self._max_size if max_size is None else max_size,
@@ -154,14 +196,28 @@ class Table:
         )
 
     def can_sample(self, num_samples: int) -> bool:
-        """True if a sample of ``num_samples`` items is permitted now."""
+        """True if a sample of ``num_samples`` items is permitted now (False before a Server hosts the table).
+
+        Args:
+          num_samples: the number of items a sample would take.
+
+        Raises:
+          ConnectError: the hosting daemon stayed unreachable past the connect timeout.
+        """
         client = self._bound_client()
         if client is None:
             return False  # an empty table
         return client._check_rate_limiter(self._name, num_samples=int(num_samples)).can_sample
 
     def can_insert(self, num_inserts: int) -> bool:
-        """True if ``num_inserts`` inserts are permitted now."""
+        """True if ``num_inserts`` inserts are permitted now (by the rate limiter's settings before hosting).
+
+        Args:
+          num_inserts: the number of inserts.
+
+        Raises:
+          ConnectError: the hosting daemon stayed unreachable past the connect timeout.
+        """
         client = self._bound_client()
         if client is not None:
             return client._check_rate_limiter(self._name, num_inserts=int(num_inserts)).can_insert
@@ -182,6 +238,20 @@ class Server:
     def __init__(self, tables: Sequence[Table] | None = None, port: int | None = None,
                  checkpointer: checkpointers_lib.CheckpointerBase | None = None, *, in_process: bool = False,
                  log_level: str | None = None):
+        """Start a daemon serving ``tables``; returns once it takes calls.
+
+        Args:
+          tables: the tables to serve (at least one; names unique).
+          port: the port to serve on (None or 0: a free port, see ``port``).
+          checkpointer: where checkpoints go and which one is restored at start (default: a temporary
+            directory removed at ``stop``).
+          in_process: run the daemon in this process instead of a child process.
+          log_level: the daemon's log level (default ``GEAR_SERVER_LOG_LEVEL``, else WARNING).
+
+        Raises:
+          ValueError: no table, two tables of one name, or a port out of range.
+          RuntimeError: the daemon failed to start (the message says why).
+        """
         if not tables:
             raise ValueError("At least one table must be provided")
         names = collections.Counter(table.name for table in tables)

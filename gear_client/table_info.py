@@ -46,6 +46,11 @@ class TableInfo:
 
     @classmethod
     def from_proto(cls, proto: pb.TableInfo) -> TableInfo:
+        """The TableInfo of a daemon's ``gear.v1.TableInfo`` message.
+
+        Args:
+          proto: the message, as ``server_info`` receives it.
+        """
         signature = _signature(proto.signature) if proto.HasField("signature") else None
         return cls(
             name=proto.name, sampler_options=proto.sampler_options, remover_options=proto.remover_options,
@@ -59,6 +64,14 @@ class TableInfo:
 
     @classmethod
     def from_serialized_proto(cls, proto_string: bytes) -> TableInfo:
+        """The TableInfo of a serialized ``gear.v1.TableInfo`` message.
+
+        Args:
+          proto_string: the message's bytes.
+
+        Raises:
+          google.protobuf.message.DecodeError: the bytes are not such a message.
+        """
         return cls.from_proto(pb.TableInfo.FromString(proto_string))
 
 
