@@ -384,7 +384,7 @@ def run(batches: list[int], seconds: float, with_reverb: bool) -> dict[str, Any]
                                                            planes=["shm"], device="cuda")
                 try:  # a diagnostic: never lose the figures above to it
                     results.setdefault("gpu_breakdown", {})[key] = gpu_breakdown(address, batch)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - a diagnostic must not end the run
                     print(f"B={batch}: GPU time breakdown failed: {exc!r}", file=sys.stderr)
             planes["dataset"] = bench_dataset(address, batch, seconds, device="cuda" if gpu else None)
             planes["client.sample"] = bench_client_sample(client, batch, seconds)
@@ -427,7 +427,7 @@ def machine() -> str:
             import cupy as cp
 
             gpu = ", GPU " + cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no GPU details: the line says less
         pass
     return f"{platform.machine()}, {os.cpu_count()} CPUs{gpu}, Python {platform.python_version()}"
 

@@ -144,7 +144,7 @@ def _actors(address: str, first: int, count: int, opened, proceed, done) -> None
                         opened.release()
                         proceed.wait()
                 writer.flush()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - reported as the actor's failure
             failures.append(repr(e))
 
     threads = [threading.Thread(target=actor, args=(first + i,), daemon=True) for i in range(count)]

@@ -263,7 +263,7 @@ class TrajectoryDataset(_iterable_dataset_base()):
             if stream is not None:
                 try:
                     stream.close()  # releases the leases still in flight
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - the producer's own failure went first
                     pass
         self._put(None)
 
@@ -387,7 +387,7 @@ class TrajectoryDataset(_iterable_dataset_base()):
     def __del__(self) -> None:
         try:
             self.close(timeout=0.5)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
 

@@ -444,7 +444,7 @@ def _stop_quietly(process: subprocess.Popen | None, control: socket.socket | Non
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             process.wait(STOP_TIMEOUT_S)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a finalizer's best effort
         pass
     finally:
         if control is not None:

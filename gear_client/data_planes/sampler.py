@@ -201,7 +201,7 @@ class PlaneSampler:
         if plane is not None:
             try:
                 plane.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - closing goes on: the session still ends
                 log.debug("closing plane failed", exc_info=True)
         if session is not None:
             session.close()

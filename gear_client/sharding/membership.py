@@ -214,7 +214,7 @@ class ShardSet:
         for job in jobs:
             try:
                 out.append(job.result())
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - each shard's error is its result
                 out.append(exc)
         return out
 

@@ -128,7 +128,7 @@ class DataPlaneManager:
         elif session.resources is not None and self.rdma is not None:
             try:
                 self.rdma.close_session(session.resources)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - logged; the session closes anyway
                 log.exception("closing RDMA resources of session %s failed", session.session_id)
 
     # ---------------------------------------------------------------- helpers
@@ -160,7 +160,7 @@ class DataPlaneManager:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NeedsInlinePlane as exc:  # items of several layouts, and the learner does not offer inline
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - mapped to a status by abort_for
             await abort_for(context, exc)
 
     def _open(self, table: Table, kind: str, request: pb.OpenDataPlaneRequest, peer: str) -> pb.OpenDataPlaneResponse:
@@ -280,7 +280,7 @@ class DataPlaneManager:
             if session.closed and task.uncancel() == 0:  # the session's close, not the call's end
                 await context.abort(grpc.StatusCode.CANCELLED, "select cancelled (the session was closed)")
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - mapped to a status by abort_for
             await abort_for(context, e)
         finally:
             with self._selects_lock:
@@ -392,7 +392,7 @@ class DataPlaneManager:
         if session.resources is not None and self.rdma is not None and session.kind == negotiation.RDMA:
             try:
                 response.region.CopyFrom(self.rdma.attach(session.resources, layout))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - pyverbs errors vary
                 raise OSError(f"registering the grown segment for RDMA failed: {exc}") from exc
         session.layout_version = layout.version
 
