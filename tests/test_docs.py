@@ -17,8 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
-TOP_FOLDERS = ("bench", "prof", "deploy", "tests", "tools", "examples", "alias", "protos", "docs",
-               "gear_contract", "gear_server", "gear_kernels", "gear_client")
+TOP_FOLDERS = tuple(sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))))
 # A path starts at a top-level folder (not inside a longer word or path) and runs over path characters.
 _PATH = re.compile(r"(?<![\w./$-])((?:" + "|".join(TOP_FOLDERS) + r")/[\w./-]*)")
 # `make X` in an inline code span, or a line of a fenced block that starts with it.
@@ -26,7 +25,9 @@ _MAKE_INLINE = re.compile(r"`make ([a-z][\w-]*)")
 _MAKE_LINE = re.compile(r"^\s*make ([a-z][\w-]*)", re.M)
 # A module named by its file name alone (`sampler.py`), or by its dotted name (`gear_client.sharding.owners`).
 _FILE_NAME = re.compile(r"(?<![\w/.-])([A-Za-z_]\w*\.py)\b")
-_MODULE = re.compile(r"\b(gear_(?:client|server|contract|kernels)(?:\.\w+)+)")
+_PACKAGES = [name for name in TOP_FOLDERS if (ROOT / name / "__init__.py").exists()]
+_MODULE = re.compile(r"(?<![\w/.-])((?:" + "|".join(_PACKAGES) + r")(?:\.\w+)+)(?![\w/])")
+_FENCED = re.compile(r"^```.*?^```", re.S | re.M)
 _TARGET = re.compile(r"^([A-Za-z][\w.-]*(?: [A-Za-z][\w.-]*)*):(?!=)", re.M)
 # What reads as a log. Case matters for the nicknames (M1..M9), not for the rest; numpy's datetime dtypes
 # ("M8[ns]") are not nicknames.
@@ -56,8 +57,9 @@ def named_paths(text: str) -> set[str]:
 
 
 def named_file_names(text: str) -> set[str]:
-    """Python file names a doc names without their folder."""
-    return set(_FILE_NAME.findall(text))
+    """Python file names a doc names without their folder, outside fenced blocks (whose commands may name the
+    reader's own scripts)."""
+    return set(_FILE_NAME.findall(_FENCED.sub("", text)))
 
 
 def module_exists(dotted: str) -> bool:
@@ -173,8 +175,11 @@ def test_the_checks_find_what_they_look_for():
     assert named_make_targets(text) == {"bench-gpu", "no-such-target"}
     assert named_file_names(text) == set()
     assert named_file_names("see `sampler.py` and owners.py, not gear_client/x.py") == {"sampler.py", "owners.py"}
+    assert named_file_names("run\n```sh\npython3 train.py\n```\n") == set()
     assert module_exists("gear_client.sharding.owners") and module_exists("gear_client.client.Client")
     assert not module_exists("gear_client.no_such_module.x")
+    assert _MODULE.findall("`gear_client.sharding.owners`, deploy/gear_learner.py, gear_common.cuh") == [
+        "gear_client.sharding.owners"]
     assert {"test", "bench-gpu", "install-service"} <= makefile_targets()
     assert "no-such-target" not in makefile_targets()
     for line in ["(issue 11)", "Issue 12.5: x", "issues #3", "the third sitting", "on M4 we", "final tree",
