@@ -15,7 +15,8 @@ GPU memory, rank r on GPU r mod the GPUs present), taking ``--steps`` batches of
                (counted by the plane) and GB/s of the bytes moved
 
 Figures are aggregate GB/s of item payload over all ranks (total bytes / wall time from the first rank's
-start to the last rank's end), the best of ``--repeats`` interleaved runs. Goal: grouped >= 0.8 x independent (one selection shared costs little).
+start to the last rank's end), the best of ``--repeats`` interleaved runs. Goal: grouped >= 0.8 x independent
+(one selection shared costs little).
 
 Usage: python bench/bench_ranks.py [--world 2] [--batch 32] [--steps 100] [--items 1024] [--repeats 3]
                                    [--device cuda] [--json PATH]
