@@ -205,8 +205,9 @@ class TrajectoryWriter:
           ValueError: the priority is invalid, a column is empty, refers to expired data or to another
             writer, the table does not exist, or the item does not fit the table's signature
             (``validate_items``).
-          ItemsNotInsertedError: earlier items were given up (the daemon stayed away past
+          ItemsNotInsertedError: earlier items were given up (the daemon stayed away or silent past
             ``reconnect_timeout_s``).
+          ConnectError: the daemon stayed silent past that timeout before the writer held any item.
           DeadlineExceededError: waiting for in-flight items timed out.
           RuntimeError: the writer is closed.
         """
@@ -271,7 +272,9 @@ class TrajectoryWriter:
         Raises:
           ValueError: ``block_until_num_items`` is negative, or an earlier item was refused.
           DeadlineExceededError: the items were not acknowledged within ``timeout_ms``.
-          ItemsNotInsertedError: items were given up (the daemon stayed away past ``reconnect_timeout_s``).
+          ItemsNotInsertedError: items were given up (the daemon stayed away or silent past
+            ``reconnect_timeout_s``).
+          ConnectError: the daemon stayed silent past that timeout before the writer held any item.
           RuntimeError: the writer is closed.
         """
         self._check_open()
