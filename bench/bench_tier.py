@@ -85,8 +85,9 @@ class Daemon:
         notify = os.path.join(self.folder, "notify")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(notify)
-        self.log = open(os.path.join(self.folder, "daemon.log"), "wb")  # noqa: SIM115
-        env = {**os.environ, "NOTIFY_SOCKET": notify, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.log = open(os.path.join(self.folder, "daemon.log"), "wb")  # noqa: SIM115 - closed with the process
+        env = {**os.environ, "NOTIFY_SOCKET": notify,
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.process = subprocess.Popen([sys.executable, "-m", "gear_server", "--config", path], env=env,
                                         stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
         self.port = self._wait_ready()
@@ -281,7 +282,8 @@ def torn_under_churn(address: str, device: int | None, seconds: float) -> dict[s
                 selection = reader.select(BATCH)
                 batch = reader.gather(selection)
                 values = batch.view(xp.float32)
-                bad = ~(values == values[:, :1]).all(axis=1) | (batch != reader.segment_rows(selection.slots)).any(axis=1)
+                bad = (~(values == values[:, :1]).all(axis=1)
+                       | (batch != reader.segment_rows(selection.slots)).any(axis=1))
                 count = int(bad.sum())
                 if reader.release(selection):
                     torn += count
@@ -380,8 +382,8 @@ def report(r: dict[str, Any]) -> None:
     else:
         print("  peer GPU gather      not measured (one GPU)")
     ins = r["inserts"]
-    print(f"  inserts              {ins['mirrored_items_per_s']:8.0f} items/s mirrored vs {ins['plain_items_per_s']:.0f}"
-          f" plain: cost {ins['cost']:.1%}  goal <= {GOALS['insert_cost']:.0%}")
+    print(f"  inserts              {ins['mirrored_items_per_s']:8.0f} items/s mirrored vs "
+          f"{ins['plain_items_per_s']:.0f} plain: cost {ins['cost']:.1%}  goal <= {GOALS['insert_cost']:.0%}")
     c = r["churn"]
     print(f"  torn under churn     {c['torn']} of {c['rows_checked']} rows ({c['mirrored_rows']} from the mirror, "
           f"{c['stale_batches']} stale batches)  goal {GOALS['torn']}")
