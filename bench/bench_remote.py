@@ -126,7 +126,8 @@ print(json.dumps({"gbps": sum(counts) / elapsed / 1e9}))
 _LEARNER = r"""
 import json, sys, time
 from gear_client.data_planes.sampler import PlaneSampler
-address, batch, seconds, conns, device = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+address, batch, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+conns, device = int(sys.argv[4]), sys.argv[5]
 item_bytes = int(sys.argv[6])
 gpu = device != "none"
 if gpu:
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-actors", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    print(f"bench_remote: {platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"bench_remote: {platform.node()}, {os.cpu_count()} CPUs, {when}"
           f"; items of {ITEM_BYTES} bytes; {args.seconds:g} s per figure", flush=True)
     results = {link: measure(link, args) for link in args.links}
     report(results)
