@@ -93,7 +93,8 @@ def learn_layout_locked(core: TableCore, prep: PreparedItem) -> None:
                 lengths.append(max(int(core.config.initial_max_length), prep.lengths[c], 1))
         structure = pb.Structure()
         structure.CopyFrom(sig.structure if sig is not None else prep.structure)
-        capacity = core.columns.initial_capacity(specs, lengths, at_least=core.capacity, at_most=core.max_size + core.spare)
+        capacity = core.columns.initial_capacity(specs, lengths, at_least=core.capacity,
+                                                  at_most=core.max_size + core.spare)
         core.columns.learn(specs, lengths, structure, capacity)
         core.slots.set_num_columns(len(specs))
         core.grow_slots_locked(capacity)

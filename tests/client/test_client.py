@@ -36,7 +36,8 @@ def _tables():
                      reverb.rate_limiters.MinSize(1)),
         reverb.Table("signed", reverb.selectors.Uniform(), reverb.selectors.Fifo(), 100,
                      reverb.rate_limiters.MinSize(1),
-                     signature={"obs": specs.TensorSpec([None, 3], np.float32), "act": specs.TensorSpec([None], np.int64)}),
+                     signature={"obs": specs.TensorSpec([None, 3], np.float32),
+                                "act": specs.TensorSpec([None], np.int64)}),
         reverb.Table.queue("queue", 2),
         reverb.Table("prio", reverb.selectors.Prioritized(1.0), reverb.selectors.Fifo(), 100,
                      reverb.rate_limiters.MinSize(1)),
@@ -322,7 +323,8 @@ def test_table_definitions_validate_like_reverb():
     with pytest.raises(ValueError):
         reverb.Table("t", reverb.selectors.Fifo(), reverb.selectors.Fifo(), 0, rl.MinSize(1))
     with pytest.raises(ValueError):
-        reverb.Table("t", reverb.selectors.Fifo(), reverb.selectors.Fifo(), 10, rl.MinSize(1), signature={"x": object()})
+        reverb.Table("t", reverb.selectors.Fifo(), reverb.selectors.Fifo(), 10, rl.MinSize(1),
+                     signature={"x": object()})
     queue = reverb.Table.queue("q", 5).to_proto()
     assert queue.sampler.fifo and queue.remover.fifo and queue.max_times_sampled == 1
     assert (queue.rate_limiter.min_diff, queue.rate_limiter.max_diff) == (0.0, 5.0)

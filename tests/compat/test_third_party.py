@@ -26,9 +26,9 @@ ALIAS_DIR = Path(__file__).resolve().parents[2] / "alias" / "reverb"
 if importlib.util.find_spec("reverb") is None:  # what `pip install ./alias/reverb` provides
     sys.path.insert(0, str(ALIAS_DIR))
 
-import gear_client as reverb  # noqa: E402
-from tests.support import reverb_users as users  # noqa: E402
-from tests.support.compat import gear_only  # noqa: E402
+import gear_client as reverb
+from tests.support import reverb_users as users
+from tests.support.compat import gear_only
 
 pytestmark = gear_only
 

@@ -112,8 +112,8 @@ def test_no_torn_item_from_another_process_under_insert_churn():
         fill(table, 32, length=LENGTH, dim=DIM)
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         with Churn(table, length=LENGTH, dim=DIM):
-            out = subprocess.run([sys.executable, "-m", "tests.support.device_learner", "reader", f"localhost:{daemon.port}",
-                                  "t", "150"], env=env, cwd=ROOT,
+            out = subprocess.run([sys.executable, "-m", "tests.support.device_learner", "reader",
+                                  f"localhost:{daemon.port}", "t", "150"], env=env, cwd=ROOT,
                                  capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)

@@ -180,8 +180,8 @@ def test_no_torn_read_while_inserts_evict_at_full_speed():
         fill(table, 16)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         with Churn(table) as churn:
-            learners = [subprocess.Popen([sys.executable, "-c", _LEARNER, d.address(), "4", mode], stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            learners = [subprocess.Popen([sys.executable, "-c", _LEARNER, d.address(), "4", mode],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
                         for mode in ("one-by-one", "pipelined")]
             results = []
             for p in learners:

@@ -27,7 +27,8 @@ def members(protocol: type) -> dict[str, inspect.Signature]:
     return out
 
 
-@pytest.mark.parametrize(("protocol", "cls", "kind"), [(ReadingPlane, ShmPlane, "shm"), (ReadingPlane, RdmaPlane, "rdma"),
+@pytest.mark.parametrize(("protocol", "cls", "kind"), [(ReadingPlane, ShmPlane, "shm"),
+                                                       (ReadingPlane, RdmaPlane, "rdma"),
                                                        (ReadingPlane, StreamPlane, "stream"),
                                                        (SamplingPlane, InlinePlane, "inline")])
 def test_each_plane_implements_its_protocol_with_the_same_parameters(protocol, cls, kind):

@@ -168,7 +168,8 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract import addressing as ad
 from gear_contract import rdma_verbs as verbs
 ranges = np.array([[0, 0, 4096], [8192, 4096, 4096], [65536, 8192, 100]])
-wrs = verbs.read_chain(7, ranges, verbs.Region(0x10000, 1 << 20, 11, 0), pb.RdmaRegion(addr=0x7f0000, rkey=42, length=1 << 30))
+wrs = verbs.read_chain(7, ranges, verbs.Region(0x10000, 1 << 20, 11, 0),
+                       pb.RdmaRegion(addr=0x7f0000, rkey=42, length=1 << 30))
 local = ad.PortInfo("mlx5_0", 1, "Ethernet", 0, bytes(10) + b"\\xff\\xff" + bytes(4), 3, 5, 1 << 30)
 peer = local.endpoint([0x33], [9])
 av = ad.address_vector(local, peer)

@@ -1,4 +1,6 @@
-"""A device-plane learner process: ``python -m tests.support.device_learner reader|sampler ADDRESS TABLE BATCHES [GPU]``.
+"""A device-plane learner process.
+
+Usage: ``python -m tests.support.device_learner reader|sampler ADDRESS TABLE BATCHES [GPU]``.
 
 ``sampler``: batches of 16 from ``PlaneSampler(device="cuda:GPU")``, each item checked against its checksum
 and key (``check_batch``); prints the plane's kind and the items checked.

@@ -27,7 +27,8 @@ print(json.dumps(write_trajectories(address, first, count, length, dim)))
 
 
 def start(*tables: pb.TableConfig, port: int = 0, **ingest) -> Daemon:
-    config = pb.ServerConfig(port=port, bind_address="localhost", instance_name=f"iptest{os.getpid()}x{next(_instances)}",
+    config = pb.ServerConfig(port=port, bind_address="localhost",
+                             instance_name=f"iptest{os.getpid()}x{next(_instances)}",
                              tables=list(tables))
     settings = DaemonSettings.from_server_config(config)
     settings.ingest = IngestSettings(**ingest)

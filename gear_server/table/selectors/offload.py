@@ -112,7 +112,8 @@ class WeightOffload:
             return "twin"
         if self.backend == "gpu" and self.gpu:
             return "gpu"
-        if choose_path(self.capacity, batch, gpu=True) == "cpu" and choose_path(self.capacity, batch, gpu=False) == "cpu":
+        if (choose_path(self.capacity, batch, gpu=True) == "cpu"
+                and choose_path(self.capacity, batch, gpu=False) == "cpu"):
             return "cpu"  # no need to look for a GPU
         return choose_path(self.capacity, batch, self.gpu)
 

@@ -44,7 +44,8 @@ def block_size_for(capacity: int) -> int:
 
 
 class Prioritized(Selector):
-    def __init__(self, capacity: int, options: pb.SelectorOptions | None = None, *, priority_exponent: float | None = None):
+    def __init__(self, capacity: int, options: pb.SelectorOptions | None = None, *,
+                 priority_exponent: float | None = None):
         if options is None:
             options = pb.SelectorOptions(prioritized=pb.PrioritizedOptions(priority_exponent=priority_exponent or 0.0))
         super().__init__(capacity, options)

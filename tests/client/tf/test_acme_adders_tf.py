@@ -23,9 +23,9 @@ pytest.importorskip("tree")
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "alias" / "reverb"))
 
-import reverb  # noqa: E402 - after the skip: these tests need TensorFlow
+import reverb
 
-from tests.support import reverb_users as users  # noqa: E402
+from tests.support import reverb_users as users
 
 OBS = tf.TensorSpec([3], tf.float32, name="observation")
 

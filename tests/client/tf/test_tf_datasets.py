@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # Acme and TF-Agents say `import reverb`: the alias distribution's package, from the source tree.
 sys.path.insert(0, str(ROOT / "alias" / "reverb"))
 
-import reverb  # noqa: E402 - after the skip: these tests need TensorFlow
+import reverb
 
-from gear_client.tf import datasets as tf_datasets  # noqa: E402
+from gear_client.tf import datasets as tf_datasets
 
 T = 4
 Step = collections.namedtuple("Step", ["observation", "action", "reward"])  # a TF-Agents-like Trajectory

@@ -1,4 +1,7 @@
-"""reverb.structured_writer on TrajectoryWriter: patterns, conditions, configs, priorities, against the recording servicer."""
+"""reverb.structured_writer on TrajectoryWriter: patterns, conditions, configs, priorities.
+
+Run against the recording servicer.
+"""
 
 from __future__ import annotations
 

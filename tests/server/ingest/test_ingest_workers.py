@@ -84,7 +84,8 @@ def test_a_worker_batches_a_streams_requests_in_order_and_stops_at_a_bad_one():
             data = np.full(4, key, np.float32).tobytes()
             return pb.InsertStreamRequest(
                 chunks=[pb.ChunkData(chunk_key=key, data=pb.Tensor(dtype="<f4", shape=[1, 4], data=data))],
-                items=[pb.PrioritizedItem(key=key, table="t", priority=1.0, structure=pb.Structure(kind=pb.Structure.LEAF),
+                items=[pb.PrioritizedItem(key=key, table="t", priority=1.0,
+                                          structure=pb.Structure(kind=pb.Structure.LEAF),
                                           columns=[pb.ItemColumn(slices=[pb.ColumnSlice(chunk_key=key, length=1)])])],
                 release_chunk_keys=[key])
 

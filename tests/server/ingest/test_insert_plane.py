@@ -88,7 +88,8 @@ def test_an_actor_killed_between_reserve_and_commit_leaves_nothing_visible_and_n
             insert(table, seed, length=4, dim=4)
         capacity = table.capacity
         actor = subprocess.Popen([sys.executable, "-c", RESERVER, d.address()], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
         try:
             line = actor.stdout.readline()
             assert line.startswith("RESERVED"), actor.stderr.read() if actor.poll() is not None else line
@@ -235,7 +236,8 @@ def test_bad_insert_plane_requests_get_clear_statuses_and_the_daemon_goes_on():
             _plane_call(d.address(), opened, pb.InsertPlaneRequest(commit=pb.CommitSlots(
                 table="t", layout_version=0, items=[pb.CommitItem(key=5, priority=1.0, slot=3, lengths=[4, 4, 4])])))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not reserved" in e.value.details()
-        answers = _plane_call(d.address(), opened, pb.InsertPlaneRequest(reserve=pb.ReserveSlots(table="nope", count=1)))
+        request = pb.InsertPlaneRequest(reserve=pb.ReserveSlots(table="nope", count=1))
+        answers = _plane_call(d.address(), opened, request)
         assert not answers[1].reserved.slots  # no slots: the item goes over InsertStream, which says NOT_FOUND
         with pytest.raises(grpc.RpcError) as e:
             _plane_call(d.address(), opened, pb.InsertPlaneRequest(reserve=pb.ReserveSlots(table="t", count=10**6)))

@@ -274,7 +274,8 @@ def test_worker_limits_refuse_new_calls_and_bytes_naming_the_key(daemons):
 def test_a_worker_checks_the_daemons_token(daemons):
     d = daemons(table_config("t", 64), workers=1, auth=AuthSettings(token="worker-token"))
     stub = worker_stub(d.ingest.ports()[0])
-    for metadata, reason in ((None, "missing bearer token"), ([("authorization", "Bearer nope")], "wrong bearer token")):
+    for metadata, reason in ((None, "missing bearer token"),
+                             ([("authorization", "Bearer nope")], "wrong bearer token")):
         with pytest.raises(grpc.RpcError) as info:
             keys_of(stub, item_request(1, 1), metadata=metadata)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and reason in info.value.details()

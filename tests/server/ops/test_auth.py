@@ -1,4 +1,7 @@
-"""Bearer tokens, TLS and mutual TLS on a real loopback gRPC server (gear_server.ops.auth, gear_client.connection.auth)."""
+"""Bearer tokens, TLS and mutual TLS on a real loopback gRPC server.
+
+Covers gear_server.ops.auth and gear_client.connection.auth.
+"""
 
 from __future__ import annotations
 

@@ -142,7 +142,8 @@ def test_sample_packs_several_items_per_message_and_both_decoders_agree(stub, ch
     # Small items go many to a message by default.
     assert len(list(stub.Sample(pb.SampleRequest(table="uniform", num_samples=10), timeout=PROMPT_S))) == 1
 
-    raw_call = channel.unary_stream("/gear.v1.ReplayService/Sample", request_serializer=pb.SampleRequest.SerializeToString,
+    raw_call = channel.unary_stream("/gear.v1.ReplayService/Sample",
+                                    request_serializer=pb.SampleRequest.SerializeToString,
                                     response_deserializer=None)
     for raw in raw_call(pb.SampleRequest(table="uniform", num_samples=6, max_items_per_message=3), timeout=PROMPT_S):
         fast = decode_sample_response(raw)

@@ -140,7 +140,7 @@ def test_item_breaking_the_layout_is_kept_beside_it_while_items_are_held(store, 
     assert [np.asarray(p[0]).tobytes() for p in other.parts] == [np.asarray(c).tobytes() for c in bad[0].columns]
     assert [(dt, sh) for dt, sh, _ in other.columns] == [
         (c.dtype, c.shape if sq else c.shape[1:]) for c, sq in zip(bad[0].columns, bad[0].squeeze, strict=True)]
-    assert bad[1]  # (what used to be refused)
+    assert bad[1]  # an item of another layout is held, not refused
     table.release(sel.lease_id)
     table.close()
 

@@ -1,7 +1,7 @@
 """Memory as the table fills: a table commits shared memory for the items it holds, not for max_size.
 
-Issue 12.5: a max_size=1e6 table of 15 KB items used to reserve 15 GB of /dev/shm at the
-first insert. These tests measure what the segment file really holds (its allocated
+A max_size=1e6 table of 15 KB items must not reserve 15 GB of /dev/shm at the first
+insert. These tests measure what the segment file really holds (its allocated
 blocks), check that growth keeps every item and every learner's mapping valid, and that a
 full shm directory is a clear RESOURCE_EXHAUSTED that leaves the daemon serving.
 """
