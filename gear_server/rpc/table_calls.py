@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gear_server.errors import RateLimiterTimeout
+from gear_server.errors import RateLimiterTimeout, SamplingStopped
 from gear_server.table.items import ItemToInsert
 from gear_server.table.rate_limiter import WaitTicket, WouldBlock
 from gear_server.table.table import Selection, Table
@@ -177,7 +177,7 @@ class TableCalls:
                     selection, extra = await self._attempt(ticket, release_orphan, attempt, n - taken)
                 except WouldBlock:
                     selection = None
-                except RateLimiterTimeout:  # the last attempt, at the deadline, got nothing more
+                except (RateLimiterTimeout, SamplingStopped):  # the deadline, or the daemon drains: nothing more
                     if parts:
                         break
                     raise

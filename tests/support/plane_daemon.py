@@ -7,8 +7,10 @@ import os
 import sys
 
 from gear_contract._proto import replay_pb2 as pb
+from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.ops.auth import AuthSettings
 
 _instances = itertools.count()
 
@@ -36,7 +38,11 @@ class PlaneDaemon(Daemon):
     """A real daemon whose data-plane manager takes test settings (lease timeouts, an RDMA server)."""
 
     def __init__(self, config: pb.ServerConfig, **manager_kwargs):
-        super().__init__(config, seed=0)
+        settings = DaemonSettings.from_server_config(config)
+        # Some of these daemons bind addresses other hosts reach (netns peers, every interface), without
+        # credentials: the exposure check's opt-out, said explicitly.
+        settings.auth = AuthSettings(allow_insecure=True)
+        super().__init__(settings, seed=0)
         self.manager_kwargs = {"rdma": None, **manager_kwargs}
         self.manager: DataPlaneManager | None = None
 
