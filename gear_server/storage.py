@@ -5,8 +5,9 @@ Every table lives in one segment per layout version: a file under ``shm_dir``
 created exclusively with mode 0600, sized with ``ftruncate`` and mapped. Learners
 on the same host map the same file read-only (shm data plane); the daemon
 unlinks its segments when it stops, and removes those of dead daemons (of any
-instance), with their ingest sockets, when it starts; it holds a shared ``flock`` on each of its segments,
-so no other daemon's cleanup takes a live one.
+instance), with their ingest sockets, when it starts; it holds a shared
+``flock`` on each of its segments, so no other daemon's cleanup takes a live
+one.
 """
 
 from __future__ import annotations

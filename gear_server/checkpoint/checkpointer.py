@@ -41,8 +41,8 @@ from gear_server.checkpoint.read import load_checkpoint
 from gear_server.checkpoint.settings import CheckpointSettings
 from gear_server.checkpoint.write import write_checkpoint
 
-__all__ = ["COMPLETE", "MANIFEST", "REFUSED", "TEST_PAUSE_ENV", "CheckpointDirInUse", "CheckpointError", "CheckpointSettings",
-           "Checkpointer", "TableState", "make_private_dirs"]
+__all__ = ["COMPLETE", "MANIFEST", "REFUSED", "TEST_PAUSE_ENV", "CheckpointDirInUse", "CheckpointError",
+           "CheckpointSettings", "Checkpointer", "TableState", "make_private_dirs"]
 
 log = logging.getLogger(__name__)
 
