@@ -135,9 +135,9 @@ class Table:
     def stop_sampling(self) -> None:
         """Take no more samples (a graceful stop drains): waiting and later samples end with SamplingStopped
         (UNAVAILABLE) having taken nothing; a sample already picking hands over what it took."""
-        st = self._state
-        with st.lock:
-            st.rate_limiter.stop_sampling()
+        core = self._core
+        with core.lock:
+            core.rate_limiter.stop_sampling()
 
     def signature(self) -> pb.Signature | None:
         """The configured signature (None without one; a learned layout is not a signature)."""
