@@ -213,6 +213,10 @@ class Daemon:
         started = time.monotonic()
         self.ops.stopping()
         self._stop_sampling()  # waiting samples and Selects end (UNAVAILABLE) having taken nothing
+        # Calls that took items hand them over before any call is cancelled (a loaded host may need seconds).
+        if self.service is not None and not self.service.sampling.wait_idle(grace + 10.0):
+            log.warning("%d sampling call(s) still delivering after %.0f s: stopping anyway (what they took "
+                        "may not reach their callers)", len(self.service.sampling), grace + 10.0)
         done = None
         if self.server is not None and self.loop is not None and self.loop.alive:
             done = self.loop.submit(self.server.stop(grace))
