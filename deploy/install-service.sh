@@ -28,7 +28,8 @@ usage: $0 [options]
   --python PATH       Python 3.11+ used to build the virtualenv (default \$PYTHON or python3)
   --pip-arg ARG       pass ARG to pip (repeatable; e.g. --pip-arg --no-index --pip-arg --find-links=/wheels)
   --gear-server PATH  use this gear-server executable instead of building a virtualenv
-  --generate-token    write a random bearer token to CONFIG_DIR/token (mode 0640, group USER)
+  --generate-token    write a random bearer token to CONFIG_DIR/token (mode 0640, group USER) and put
+                      it in force ([auth] token_file in the config; an existing token setting is kept)
   --start             enable and start the service now
   --root DIR          stage every file under DIR (packaging, tests): no user, no systemctl;
                       needs --gear-server (a virtualenv cannot be moved)
@@ -113,7 +114,20 @@ if [[ $GENERATE_TOKEN -eq 1 ]]; then
         (umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$token")
         chmod 0640 "$token"
         [[ -n "$ROOT" ]] || chgrp "$SERVICE_USER" "$token"
-        say "wrote a random bearer token to $CONFIG_DIR/token; set token_file in [auth] to use it"
+        say "wrote a random bearer token to $CONFIG_DIR/token"
+    fi
+    # The token is in force: [auth] token_file names it (an operator's own token or token_file line is kept).
+    if grep -Eq '^[[:space:]]*(token|token_file)[[:space:]]*=' "$config"; then
+        say "keeping the token setting of $CONFIG_DIR/gear-server.toml"
+    elif grep -Eq '^#[[:space:]]*token_file[[:space:]]*=' "$config"; then
+        sed -i -E "0,/^#[[:space:]]*token_file[[:space:]]*=.*/s##token_file = \"$CONFIG_DIR/token\"#" "$config"
+        say "token in force: token_file = \"$CONFIG_DIR/token\" in [auth] (clients: GEAR_TOKEN_FILE or token=)"
+    elif grep -Eq '^\[auth\]' "$config"; then
+        sed -i -E "0,/^\[auth\]/s##[auth]\ntoken_file = \"$CONFIG_DIR/token\"#" "$config"
+        say "token in force: token_file = \"$CONFIG_DIR/token\" in [auth] (clients: GEAR_TOKEN_FILE or token=)"
+    else
+        printf '\n[auth]\ntoken_file = "%s/token"\n' "$CONFIG_DIR" >> "$config"
+        say "token in force: token_file = \"$CONFIG_DIR/token\" in [auth] (clients: GEAR_TOKEN_FILE or token=)"
     fi
 fi
 

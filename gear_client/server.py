@@ -290,9 +290,13 @@ class Server:
 
     # ------------------------------------------------------------------ start
     def _start_in_process(self, config: pb.ServerConfig) -> int:
+        from gear_server.cli import reverb_server_auth
+        from gear_server.config import DaemonSettings
         from gear_server.daemon import Daemon
 
-        self._daemon = Daemon(config)
+        settings = DaemonSettings.from_server_config(config)
+        settings.auth = reverb_server_auth()  # Reverb's Server: no credentials, every interface
+        self._daemon = Daemon(settings)
         return self._daemon.start()
 
     def _start_child(self, config: pb.ServerConfig, log_level: str) -> int:

@@ -1,6 +1,13 @@
 """``gear-server``: run the replay daemon in the foreground.
 
     gear-server --config deploy/gear-server.example.toml [--port N] [--bind-address A] [--log-level L]
+                [--metrics-port N] [--checkpoint-dir DIR] [--token-file F] [--allow-insecure]
+
+Several daemons on one host need their own port, metrics port and checkpoint
+directory each (a directory in use by a live daemon is refused to another);
+the flags override the file so one file serves them all (docs/SHARDING.md).
+A non-loopback address with neither token nor TLS is refused (exit 2) unless
+``[auth] allow_insecure = true`` or ``--allow-insecure`` says so.
 
 Logs to stderr, stops cleanly on SIGTERM/SIGINT (segments unlinked), exit 0.
 Exit 2: bad configuration; exit 1: the daemon could not start (e.g. port taken).
@@ -15,6 +22,7 @@ stops when the socket closes, so it never outlives its parent).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import socket
 import struct
@@ -23,6 +31,7 @@ import threading
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.config import ConfigError, DaemonSettings, load_config
+from gear_server.errors import CheckpointConfigConflict
 
 log = logging.getLogger("gear_server.cli")
 
@@ -52,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--control-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=_port, help="override the config's port (0: any free port)")
     parser.add_argument("--bind-address", help="override the config's bind_address")
+    parser.add_argument("--metrics-port", type=_port,
+                        help="serve /metrics on this port (overrides [metrics] port; turns metrics on)")
+    parser.add_argument("--checkpoint-dir", help="override [checkpoint] dir (a relative path: from the working "
+                                                 "directory)")
+    parser.add_argument("--token-file", help="override [auth] token_file: every call must carry this bearer token")
+    parser.add_argument("--allow-insecure", action="store_true",
+                        help="serve a non-loopback address with neither token nor TLS ([auth] allow_insecure)")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                         help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL")
     args = parser.parse_args(argv)
@@ -96,11 +112,43 @@ def _settings(args: argparse.Namespace, control: socket.socket | None) -> Daemon
     else:
         settings = DaemonSettings.from_server_config(read_config_message(control))
         settings.source = "control socket"
+    if not args.config:  # the Python Server's daemon: Reverb's API has no credentials, and serves as Reverb's does
+        settings.auth = reverb_server_auth()
     if args.port is not None:
         settings.server.port = args.port
     if args.bind_address:
         settings.server.bind_address = args.bind_address
+    if args.token_file is not None or args.allow_insecure:
+        from gear_server.ops.auth import AuthSettings
+
+        auth = settings.auth or AuthSettings()
+        if args.token_file is not None:
+            auth = dataclasses.replace(auth, token=None, token_file=args.token_file)
+        if args.allow_insecure:
+            auth = dataclasses.replace(auth, allow_insecure=True)
+        auth.check()
+        settings.auth = auth
+    if args.metrics_port is not None:
+        from gear_server.ops.metrics import MetricsSettings
+
+        settings.metrics = dataclasses.replace(settings.metrics or MetricsSettings(), enabled=True,
+                                               port=args.metrics_port)
+    if args.checkpoint_dir is not None:
+        if not args.checkpoint_dir:
+            raise ConfigError("--checkpoint-dir must be a non-empty path")
+        from gear_server.checkpoint.settings import CheckpointSettings
+
+        settings.checkpoint = dataclasses.replace(settings.checkpoint or CheckpointSettings(),
+                                                  dir=args.checkpoint_dir)
     return settings
+
+
+def reverb_server_auth():
+    """The auth of a daemon started by the Python ``Server`` (Reverb's API: no token, no TLS, every interface,
+    as Reverb's server): the opt-out of the exposure check, stated here once."""
+    from gear_server.ops.auth import AuthSettings
+
+    return AuthSettings(allow_insecure=True)
 
 
 def _configure_logging(settings: DaemonSettings | None, level: str | None) -> None:
@@ -167,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         daemon.serve(install_signal_handlers=True, on_started=on_started)
+    except (CheckpointConfigConflict, ConfigError) as e:  # a configuration error: restarting would not fix it
+        log.error("cannot start: %s", e)
+        report(f"error configuration: {e}")
+        return EXIT_CONFIG
     except (OSError, ValueError, RuntimeError) as e:
         log.error("cannot start: %s", e)
         report(f"error {e}")

@@ -91,7 +91,7 @@ class Daemon:
         self.store = SegmentStore(self.config.shm_dir or "/dev/shm", self.config.instance_name or "gear")
         removed = self.store.cleanup_stale()
         if removed:
-            log.info("removed %d stale segment(s) of dead daemons: %s", len(removed), ", ".join(removed))
+            log.info("removed %d stale segment(s) and socket(s) of dead daemons: %s", len(removed), ", ".join(removed))
         tables = {}
         try:
             for i, table_config in enumerate(self.config.tables):
@@ -174,6 +174,7 @@ class Daemon:
             self._started = True
         tune_allocator(mmap_threshold=64 << 20, trim_threshold=512 << 20, opt_in=False)
         try:
+            self.ops.auth.check_exposure(self.config.bind_address or "[::]")  # before anything is built
             self.tables = self.build_tables()
             self.calls = TableCalls(self.settings.max_workers)
             self.service = self.build_service()
@@ -182,19 +183,22 @@ class Daemon:
             self.port = self.loop.run(self._serve())
             self.ingest.start(self.config.bind_address or "[::]")
             self.service.ingest_ports = self.ingest.advertised_ports
+            self.ops.started(self)  # metrics endpoint, periodic checkpoints, READY=1
         except BaseException:
+            # A start that fails serves nothing and touches no checkpoint: none is written or removed
+            # (stop() after this returns at once).
+            self._stopped.set()
+            self.ops.start_failed()
             self._shutdown_data_planes()  # its lease reaper thread is running
             if self.ingest is not None:
                 self.ingest.stop()
             self._stop_server(0)
             self._close_tables()
             self._release()
-            self._stopped.set()
             raise
         log.info("serving %d table(s) [%s] on %s:%d (pid %d, segments in %s)", len(self.tables),
                  ", ".join(self.tables), self.config.bind_address or "[::]", self.port, os.getpid(),
                  self.config.shm_dir or "/dev/shm")
-        self.ops.started(self)
         return self.port
 
     def request_stop(self) -> None:
@@ -212,14 +216,20 @@ class Daemon:
         log.info("stopping")
         started = time.monotonic()
         self.ops.stopping()
-        self._shutdown_data_planes()  # end learner sessions (their blocked Selects return) and RDMA resources
+        self._stop_sampling()  # waiting samples and Selects end (UNAVAILABLE) having taken nothing
+        # Calls that took items hand them over before any call is cancelled (a loaded host may need seconds).
+        if self.service is not None and not self.service.sampling.wait_idle(grace + 10.0):
+            log.warning("%d sampling call(s) still delivering after %.0f s: stopping anyway (what they took "
+                        "may not reach their callers)", len(self.service.sampling), grace + 10.0)
         done = None
         if self.server is not None and self.loop is not None and self.loop.alive:
             done = self.loop.submit(self.server.stop(grace))
         if done is not None and self.ops.checkpointer is not None:
-            _wait(done, grace + 5.0)  # calls end before the final checkpoint, so it holds what they acked
+            _wait(done, grace + 5.0)  # in-flight calls deliver what they took; the checkpoint holds what they acked
         if self.service is not None:  # same-host calls end too: the final checkpoint holds what they acked
             self.service.close_local_lane()
+        # Learner sessions end once no Select is answering (a session closed under one would drop what it took).
+        self._shutdown_data_planes()
         if self.ingest is not None:
             self.ingest.stop()  # workers end, reserved slots go back before the final checkpoint
         self.ops.final_checkpoint()
@@ -242,6 +252,14 @@ class Daemon:
             self.loop.stop()
         if self.calls is not None:
             self.calls.shutdown()
+
+    def _stop_sampling(self) -> None:
+        """The drain's first step: no table takes a sample any more (what a call already took is delivered)."""
+        for table in self.tables.values():
+            try:
+                table.stop_sampling()
+            except Exception:  # noqa: BLE001 (keep draining the others)
+                log.exception("stopping samples of table '%s' failed", getattr(table, "name", "?"))
 
     def _shutdown_data_planes(self) -> None:
         planes = self.service.data_planes if self.service is not None else None

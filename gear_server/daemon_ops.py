@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
+from google.protobuf import text_format
 from grpc import aio
 
 from gear_contract._proto import replay_pb2 as pb
 from gear_server.checkpoint.checkpointer import Checkpointer, CheckpointError, CheckpointSettings, TableState
 from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.errors import CheckpointConfigConflict
 from gear_server.ops import health, sd_notify
 from gear_server.ops.auth import AuthSettings, TokenCheck
 from gear_server.ops.logs import ErrorSummary, LoggingSettings
@@ -64,20 +67,45 @@ def _differences(a: pb.TableConfig, b: pb.TableConfig) -> list[str]:
             if f.name not in PLACEMENT_FIELDS and getattr(a, f.name) != getattr(b, f.name)]
 
 
-# Where a table's items live besides its segment: the configured choice, not the checkpoint's.
+# Where a table's items live besides its segment: the configured choice (applied at restore, not logged).
 PLACEMENT_FIELDS = ("gpu_mirror",)
 
 
-def restored_config(checkpointed: pb.TableConfig, configured: pb.TableConfig | None) -> pb.TableConfig:
-    """The config a restored table is built with: the checkpoint's, with the configured placement (gpu_mirror)."""
-    config = pb.TableConfig()
-    config.CopyFrom(checkpointed)
-    if configured is not None:
-        for name in PLACEMENT_FIELDS:
-            config.ClearField(name)
-            if configured.HasField(name):
-                getattr(config, name).CopyFrom(getattr(configured, name))
-    return config
+# Table settings a restored table cannot take from a changed config: the selectors' state and the
+# items' layout were written for the checkpointed ones. Every other field applies at restore.
+_FIXED_BY_CHECKPOINT = ("sampler", "remover", "signature")
+
+
+def _describe(config: pb.TableConfig, field: str) -> str:
+    """One field of a table config, short and on one line (for log lines and refusals)."""
+    value = getattr(config, field)
+    if field in ("sampler", "remover"):
+        kind = value.WhichOneof("distribution") or "none"
+        return f"prioritized(exponent={value.prioritized.priority_exponent:g})" if kind == "prioritized" else kind
+    if field == "signature":
+        if not config.HasField("signature"):
+            return "none"
+        leaves = [f"{leaf.name} {np.dtype(leaf.dtype).name}{list(leaf.shape)}" for leaf in value.leaves]
+        text = "{" + ", ".join(leaves) + "}"
+        return text if len(text) <= 160 else text[:157] + "..."
+    if isinstance(value, int | float | str):
+        return str(value)
+    text = text_format.MessageToString(value, as_one_line=True)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def config_conflicts(state: TableState, configured: pb.TableConfig) -> list[str]:
+    """What in ``configured`` cannot apply to the checkpointed table ``state`` (one line each; empty: restorable)."""
+    name = state.config.name
+    out = [f"table '{name}' {field} is {_describe(configured, field)} in the config, "
+           f"{_describe(state.config, field)} in the checkpoint"
+           for field in _FIXED_BY_CHECKPOINT if getattr(state.config, field) != getattr(configured, field)]
+    scalars = state.state.get("scalars", {}) if isinstance(state.state, dict) else {}
+    items = int(scalars.get("num_items", 0))
+    if configured.max_size < items:
+        out.append(f"table '{name}' max_size is {configured.max_size} in the config, but the checkpoint holds "
+                   f"{items} items")
+    return out
 
 
 class Operations:
@@ -92,6 +120,7 @@ class Operations:
         self.auth: AuthSettings = settings.auth or AuthSettings()
         self.metrics_settings: MetricsSettings = settings.metrics or MetricsSettings()
         self.logging: LoggingSettings = settings.logging or LoggingSettings()
+        self.source: str | None = getattr(settings, "source", None)  # the config file, named in refusals
         self._tables: Mapping[str, Any] = {}
         self.metrics = ServerMetrics(tables=lambda: self._tables)
         self.errors = ErrorSummary(self.logging.client_error_summary_s)
@@ -112,9 +141,13 @@ class Operations:
     def restore(self, tables: dict[str, Any], make_table: Callable[[pb.TableConfig], Any]) -> dict[str, Any]:
         """Replace ``tables`` with the newest good checkpoint's; returns the tables to serve.
 
-        A checkpointed table keeps the config it was checkpointed with (its
-        selector state only makes sense with it); a configured table missing
-        from the checkpoint starts empty. Logs one line per table.
+        A checkpointed table takes the configured rate limiter, max_size and
+        max_times_sampled; a changed sampler, remover or signature (the
+        selectors' state and the items' layout hold only with the checkpointed
+        ones), or a max_size below the items held, refuses the start
+        (CheckpointConfigConflict naming each difference and the ways out). A
+        configured table missing from the checkpoint starts empty. Logs one
+        line per table.
         """
         served = self._restore(tables, make_table)
         for name, table in served.items():
@@ -133,6 +166,7 @@ class Operations:
             self.checkpointer.create_root()  # 0700, whatever the umask
         except OSError as exc:
             raise OSError(exc.errno, f"checkpoint dir {self.checkpointer.root}: {exc.strerror}") from exc
+        self.checkpointer.lock_dir()  # one daemon per directory: another's rotation would remove ours
         if not cs.restore:
             return tables
         removed = self.checkpointer.cleanup_interrupted()
@@ -143,17 +177,22 @@ class Operations:
         started = time.monotonic()
 
         def apply(path: Path, states: list[TableState]) -> dict[str, Any]:
+            conflicts = [line for state in states if state.config.name in tables
+                         for line in config_conflicts(state, tables[state.config.name].config)]
+            if conflicts:
+                raise CheckpointConfigConflict(self._conflict_message(path, conflicts))
             built: dict[str, Any] = {}
             freed: list[str] = []  # configured tables closed first: their GPU mirror's memory is taken again
             try:
                 for state in states:
                     name = state.config.name
                     configured = tables.get(name)
-                    differences = _differences(state.config, configured.config) if configured is not None else []
-                    if differences:
-                        log.warning("table '%s': restored with its checkpointed config (differs from the "
-                                    "configured one in %s)", name, ", ".join(differences))
-                    config = restored_config(state.config, configured.config if configured is not None else None)
+                    config = state.config if configured is None else configured.config
+                    applied = _differences(state.config, config)
+                    if applied:
+                        log.info("table '%s': the configured %s applied to the restored items", name,
+                                 ", ".join(f"{field} ({_describe(state.config, field)} -> "
+                                           f"{_describe(config, field)})" for field in applied))
                     if configured is not None and configured.mirror is not None:
                         configured.close()
                         freed.append(name)
@@ -186,6 +225,14 @@ class Operations:
         log.info("restored checkpoint path=%s tables=%d items=%d seconds=%.3f", path, len(restored), items,
                  time.monotonic() - started)
         return merged
+
+    def _conflict_message(self, path: Path, conflicts: list[str]) -> str:
+        source = self.source or "the configuration"
+        return (f"the checkpoint {path} cannot be restored under the configured tables: "
+                + "; ".join(conflicts)
+                + f". Either set these back in {source} to the checkpoint's values, or start without its items "
+                  f"(move the checkpoints out of {self.checkpointer.root}, or set restore = false in "
+                  f"[checkpoint]); rate limiter, max_size and max_times_sampled changes are applied at restore")
 
     def attach_data_planes(self, manager: DataPlaneManager) -> None:
         """Count the manager's selections and read its open sessions for the metrics."""
@@ -221,6 +268,14 @@ class Operations:
         if self.health is not None:
             self.health.set_all(health.SERVING)
         sd_notify.ready(f"serving {len(daemon.tables)} table(s) on port {daemon.port}")
+
+    def start_failed(self) -> None:
+        """The start failed after (some of) ``started``: end what it began; no checkpoint is written."""
+        self._stop.set()
+        self._final_done = True
+        if self._periodic is not None:
+            self._periodic.join()
+        self.stopped()
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self) -> str:
@@ -270,6 +325,8 @@ class Operations:
             return None
 
     def stopped(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.unlock_dir()
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None

@@ -40,6 +40,15 @@ class TableClosedError(GearServerError):
     """The table was closed (daemon stopping) while the call waited or ran (gRPC CANCELLED)."""
 
 
+class CheckpointConfigConflict(GearServerError):
+    """The checkpoint to restore was written with table settings that cannot change under its items
+    (the daemon refuses to start: exit 2, a configuration error)."""
+
+
+class SamplingStopped(TableClosedError):
+    """The daemon is stopping: the table takes no more samples (gRPC UNAVAILABLE; nothing was taken)."""
+
+
 class CallCancelled(GearServerError):
     """The caller gave up (its RPC was cancelled) while the call waited on the rate limiter (gRPC CANCELLED)."""
 

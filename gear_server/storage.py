@@ -5,8 +5,9 @@ Every table lives in one segment per layout version: a file under ``shm_dir``
 created exclusively with mode 0600, sized with ``ftruncate`` and mapped. Learners
 on the same host map the same file read-only (shm data plane); the daemon
 unlinks its segments when it stops, and removes those of dead daemons (of any
-instance) when it starts; it holds a shared ``flock`` on each of its segments,
-so no other daemon's cleanup takes a live one.
+instance), with their ingest sockets, when it starts; it holds a shared
+``flock`` on each of its segments, so no other daemon's cleanup takes a live
+one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import mmap
 import os
 import re
+import socket
 import stat
 import threading
 
@@ -24,6 +26,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _INSTANCE_OK = re.compile(r"^[A-Za-z0-9_-]+$")
 # gear.<instance>.<pid>.<sanitised table>.v<version>
 _SEGMENT_NAME = re.compile(r"^gear\.([A-Za-z0-9_-]+)\.([0-9]+)\.([A-Za-z0-9_-]+)\.v([0-9]+)$")
+# gear.<instance>.<pid>.ingest.sock: a daemon's socket for its ingest workers (gear_server.ingest.daemon_hook)
+_SOCKET_NAME = re.compile(r"^gear\.([A-Za-z0-9_-]+)\.([0-9]+)\.ingest\.sock$")
 
 
 def sanitise_table_name(table: str, max_chars: int = 48) -> str:
@@ -49,6 +53,26 @@ def _locked_by_someone(path: str) -> bool:
         return False  # closing the descriptor drops the probe's lock
     finally:
         os.close(fd)
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a process listens on the unix socket (a live daemon's); True when it cannot be told."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return True  # not a socket: not ours to judge
+    except OSError:
+        return True
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
 
 
 def pid_alive(pid: int) -> bool:
@@ -192,23 +216,24 @@ class SegmentStore:
         segment.close()
 
     def cleanup_stale(self) -> list[str]:
-        """Remove segments left by dead daemons of any instance; returns the removed paths.
+        """Remove segments and ingest sockets left by dead daemons of any instance; returns the removed paths.
 
         A segment is stale when its name is a daemon segment's (``gear.<instance>.<pid>.<table>.v<n>``),
         the pid in it is not alive here, and no process holds the file's lock (every daemon
         keeps a shared ``flock`` on its segments while they live, so a live daemon in another
-        pid namespace sharing the directory keeps its segments). Files of other users are left.
+        pid namespace sharing the directory keeps its segments). An ingest socket is stale when its pid is
+        not alive here and nothing listens on it. Files of other users are left.
         """
         removed = []
         for name in os.listdir(self.shm_dir):
-            match = _SEGMENT_NAME.match(name)
+            match = _SEGMENT_NAME.match(name) or _SOCKET_NAME.match(name)
             if match is None:
                 continue
             pid = int(match.group(2))
             if pid == self.pid or pid_alive(pid):
                 continue
             path = os.path.join(self.shm_dir, name)
-            if _locked_by_someone(path):
+            if _locked_by_someone(path) if match.re is _SEGMENT_NAME else _listened_on(path):
                 continue
             try:
                 os.unlink(path)

@@ -63,10 +63,14 @@ print("reverb script ran on", reverb.__file__)
 
 
 def _alias_source(tmp_path: Path) -> str:
-    """A copy of alias/reverb (pip builds in the source folder: the tree stays clean)."""
+    """A copy of alias/reverb (the tests' pip runs leave the checkout alone)."""
     copy = tmp_path / "alias-src"
     shutil.copytree(ALIAS, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     return str(copy)
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts)
 
 
 def _pip(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
@@ -77,8 +81,11 @@ def _pip(*args: str, python: str = sys.executable) -> subprocess.CompletedProces
 
 def test_installed_alias_runs_reverb_code_unchanged(tmp_path):
     target = tmp_path / "site"
-    result = _pip("--target", str(target), _alias_source(tmp_path))
+    source = _alias_source(tmp_path)
+    before = _files(Path(source))
+    result = _pip("--target", str(target), source)
     assert result.returncode == 0, result.stderr
+    assert _files(Path(source)) == before  # no build/ or *.egg-info left in the source folder
     assert (target / "reverb" / "__init__.py").exists()
     assert list(target.glob("gear_reverb_alias-*.dist-info"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}

@@ -23,6 +23,8 @@ kill the daemon in the middle of a checkpoint. Never set it in production.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import re
@@ -39,14 +41,32 @@ from gear_server.checkpoint.read import load_checkpoint
 from gear_server.checkpoint.settings import CheckpointSettings
 from gear_server.checkpoint.write import write_checkpoint
 
-__all__ = ["COMPLETE", "MANIFEST", "REFUSED", "TEST_PAUSE_ENV", "CheckpointError", "CheckpointSettings",
-           "Checkpointer", "TableState", "make_private_dirs"]
+__all__ = ["COMPLETE", "MANIFEST", "REFUSED", "TEST_PAUSE_ENV", "CheckpointDirInUse", "CheckpointError",
+           "CheckpointSettings", "Checkpointer", "TableState", "make_private_dirs"]
 
 log = logging.getLogger(__name__)
 
 TEST_PAUSE_ENV = "GEAR_CHECKPOINT_TEST_PAUSE_S"
 _NAME = re.compile(r"^ckpt-(\d{6,})-(\d{8}T\d{6}Z)$")
 _TMP_PREFIX = ".tmp-"
+
+
+class CheckpointDirInUse(OSError):
+    """Another live daemon uses this checkpoint directory (two daemons would rotate each other's away)."""
+
+
+def _flock_holder(st: os.stat_result) -> str:
+    """The pid holding a flock on the file of ``st`` (from /proc/locks), or "?" when it cannot be told."""
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == wanted:
+                    return fields[4]
+    except OSError:
+        pass
+    return "?"
 
 
 def _stamp(now: float) -> str:
@@ -63,10 +83,36 @@ class Checkpointer:
         self.keep = keep
         self._lock = threading.Lock()  # one checkpoint at a time
         self.last_written_bytes = 0
+        self._dir_lock: int | None = None
 
     def create_root(self) -> None:
         """Create the checkpoint directory (and missing parents) 0700; OSError when it cannot be."""
         make_private_dirs(self.root)
+
+    def lock_dir(self) -> None:
+        """Take the directory for this process (an exclusive ``flock`` on the directory itself, held until
+        ``unlock_dir`` or exit); CheckpointDirInUse naming the holder when another live process has it."""
+        if self._dir_lock is not None:
+            return
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _flock_holder(os.fstat(fd))
+            os.close(fd)
+            raise CheckpointDirInUse(
+                errno.EBUSY, f"checkpoint dir {self.root} is in use by another running daemon (pid {holder}): give "
+                             f"each daemon its own directory ([checkpoint] dir or --checkpoint-dir)") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._dir_lock = fd
+
+    def unlock_dir(self) -> None:
+        """Let the directory go (the daemon stopped). Idempotent."""
+        fd, self._dir_lock = self._dir_lock, None
+        if fd is not None:
+            os.close(fd)
 
     # -- listing ----------------------------------------------------------------
 

@@ -15,8 +15,10 @@ The interceptor is a grpc.aio one (the daemon serves on asyncio).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
+import socket
 import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -26,12 +28,13 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from gear_server.config import known_keys
+from gear_server.config import ConfigError, known_keys
 from gear_server.errors import shorten
 
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_BOOLEANS = ("require_client_cert", "public_health", "allow_insecure")
 
 
 @dataclass(frozen=True)
@@ -45,16 +48,17 @@ class AuthSettings:
     tls_client_ca_file: str | None = None  # CA bundle for client certificates: mutual TLS
     require_client_cert: bool = True     # with a client CA: refuse clients without a certificate
     public_health: bool = True           # grpc.health.v1.Health answers without a token
+    allow_insecure: bool = False         # serve a non-loopback address with neither token nor TLS
 
     @classmethod
     def from_toml(cls, section: Mapping[str, Any] | None) -> AuthSettings:
         """Parse and check the section; ValueError names an unknown key or a bad combination."""
         known = set(cls.__dataclass_fields__)
         section = known_keys(section, known, "[auth]")
-        for key in ("require_client_cert", "public_health"):
+        for key in _BOOLEANS:
             if key in section and not isinstance(section[key], bool):
                 raise ValueError(f"[auth] {key} must be true or false, got {section[key]!r}")
-        for key in known - {"require_client_cert", "public_health"}:
+        for key in known - set(_BOOLEANS):
             if key in section and not isinstance(section[key], str):
                 raise ValueError(f"[auth] {key} must be a string, got {section[key]!r}")
         settings = cls(**section)
@@ -122,6 +126,22 @@ class AuthSettings:
         exempt = (HEALTH_PREFIX,) if self.public_health else ()
         return [BearerTokenInterceptor(check, exempt_prefixes=exempt, on_denied=on_denied)]
 
+    def check_exposure(self, bind_address: str) -> None:
+        """Refuse (ConfigError) to serve a non-loopback address with neither token nor TLS, unless
+        ``allow_insecure``: anyone who reaches the port could read, write and empty every table."""
+        if self.token is not None or self.token_file is not None or self.tls or is_loopback(bind_address):
+            return
+        if self.allow_insecure:
+            log.warning("serving %s with neither a token nor TLS (allow_insecure): anyone who reaches it can read, "
+                        "write and empty every table", bind_address)
+            return
+        raise ConfigError(
+            f"refusing to serve {bind_address} with neither a token nor TLS: anyone who reaches the port could "
+            f"read, write and empty every table. Set token_file in [auth] (deploy/install-service.sh "
+            f"--generate-token writes one and sets it), or TLS (docs/SECURITY.md), or bind_address = \"127.0.0.1\" "
+            f"for this host only; to serve it open anyway, set allow_insecure = true in [auth] "
+            f"(or --allow-insecure)")
+
     def describe(self) -> str:
         """One log-friendly line (never the token)."""
         parts = ["token" if (self.token or self.token_file) else "no token"]
@@ -131,7 +151,26 @@ class AuthSettings:
             parts.append("TLS")
         else:
             parts.append("plaintext")
+        if self.allow_insecure and not (self.token or self.token_file or self.tls):
+            parts.append("open to every host that reaches it (allow_insecure)")
         return ", ".join(parts)
+
+
+def is_loopback(bind_address: str) -> bool:
+    """Whether a bind address reaches this host only (127.0.0.0/8, ::1, or a name that resolves only to them)."""
+    host = bind_address.strip()
+    if host.startswith("unix:"):
+        return True
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def _read(path: str | None, key: str) -> bytes:

@@ -19,14 +19,16 @@ already running finishes on its thread and whatever it leased is released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
-from gear_server.errors import RateLimiterTimeout
+from gear_server.errors import RateLimiterTimeout, SamplingStopped
 from gear_server.table.items import ItemToInsert
 from gear_server.table.rate_limiter import WaitTicket, WouldBlock
 from gear_server.table.table import Selection, Table
@@ -53,6 +55,37 @@ class JoinedSelection:
 
     def __len__(self) -> int:
         return len(self.slots)
+
+
+class CallsInProgress:
+    """The sampling calls in progress (Sample RPCs, Selects over gRPC or the local lane): a graceful stop,
+    once no table takes samples, waits for them to hand over what they took before it cancels calls.
+    Thread-safe: local-lane calls run on threads of their own."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Count the enclosed call as in progress."""
+        with self._idle:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._count -= 1
+                if not self._count:
+                    self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no call is in progress; False if ``timeout`` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout)
+
+    def __len__(self) -> int:
+        return self._count
 
 
 class TableCalls:
@@ -177,7 +210,7 @@ class TableCalls:
                     selection, extra = await self._attempt(ticket, release_orphan, attempt, n - taken)
                 except WouldBlock:
                     selection = None
-                except RateLimiterTimeout:  # the last attempt, at the deadline, got nothing more
+                except (RateLimiterTimeout, SamplingStopped):  # the deadline, or the daemon drains: nothing more
                     if parts:
                         break
                     raise

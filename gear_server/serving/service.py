@@ -57,7 +57,7 @@ from gear_server.ops.metrics import ServerMetrics
 from gear_server.rpc.insert_requests import SERVICE_NAME, Chunk, build_item, receive_chunks, serialize
 from gear_server.rpc.limits import MAX_ITEMS_PER_SAMPLE_REQUEST, ByteBudget, LimitSettings
 from gear_server.rpc.statuses import RefusalLog, abort_for, find_table, status_of
-from gear_server.rpc.table_calls import InlineTableCalls, JoinedSelection, TableCalls
+from gear_server.rpc.table_calls import CallsInProgress, InlineTableCalls, JoinedSelection, TableCalls
 from gear_server.serving.lane_server import LaneContext, LocalLaneServer
 from gear_server.table.items import BadRequest, ItemToInsert
 from gear_server.table.table import Table
@@ -110,6 +110,8 @@ class ReplayService:
         self.data_planes = data_planes
         self.buffers = ByteBudget(limits or LimitSettings())
         self.refusals = RefusalLog(log)
+        # Sample and Select calls in progress: a graceful stop lets them deliver what they took (Daemon.stop).
+        self.sampling = CallsInProgress()
         # The ingest workers' ports, as ServerInfo lists them (set by the daemon once they serve).
         self.ingest_ports: Callable[[], list[int]] = list
         self.local_lane: LocalLaneServer | None = None
@@ -186,6 +188,13 @@ class ReplayService:
             except Exception as e:  # noqa: BLE001
                 await abort_for(context, e)
         deadline = time.monotonic() + request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
+        with self.sampling.held():
+            async for message in self._sample(table, request, deadline, context):
+                yield message
+
+    async def _sample(self, table: Table, request: pb.SampleRequest, deadline: float | None,
+                      context: aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Sample's messages: its items picked as the rate limiter allows, encoded, the leases released."""
         remaining = int(request.num_samples)
         asked = int(request.max_items_per_message)
         while remaining > 0:
@@ -293,7 +302,9 @@ class ReplayService:
 
     async def Select(self, request: pb.SelectRequest,  # noqa: N802
                      context: aio.ServicerContext) -> pb.SelectResponse:
-        return await (await self._planes(context)).select(request, context)
+        planes = await self._planes(context)
+        with self.sampling.held():
+            return await planes.select(request, context)
 
     async def Release(self, request: pb.ReleaseRequest,  # noqa: N802
                       context: aio.ServicerContext) -> pb.ReleaseResponse:
@@ -349,8 +360,9 @@ class ReplayService:
     async def _select_on_lane(self, request: bytes, context: LaneContext) -> bytes:
         """On the lane connection's own loop: the table work inline, no hop to the daemon's loop or pool;
         the answer serialized as it is built (its arrays copied once)."""
-        return await self.data_planes.select(_parse(pb.SelectRequest, request), context, _INLINE_CALLS,
-                                             serialized=True)
+        with self.sampling.held():
+            return await self.data_planes.select(_parse(pb.SelectRequest, request), context, _INLINE_CALLS,
+                                                 serialized=True)
 
     async def _release_on_lane(self, request: bytes, context: LaneContext) -> bytes:
         return (await self.data_planes.release(_parse(pb.ReleaseRequest, request), context,

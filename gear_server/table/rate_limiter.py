@@ -41,7 +41,9 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from gear_contract._proto import replay_pb2 as pb
-from gear_server.errors import CallCancelled, RateLimiterTimeout, TableClosedError
+from gear_server.errors import CallCancelled, RateLimiterTimeout, SamplingStopped, TableClosedError
+
+_STOPPED = "the daemon is stopping: it takes no more samples (sample again once it is back)"
 
 
 class LimiterCounts(NamedTuple):
@@ -185,6 +187,7 @@ class RateLimiter:
         self.deletes = 0
         self.pending_inserts = 0
         self.cancelled = False
+        self.sampling_stopped = False  # the daemon is draining: no sample is allowed any more
         self.insert_stats = CallStats()
         self.sample_stats = CallStats()
         self._can_insert_cv = threading.Condition(lock)
@@ -197,6 +200,8 @@ class RateLimiter:
 
     # ------------------------------------------------------------ predicates
     def can_sample(self, n: int = 1) -> bool:
+        if self.sampling_stopped:
+            return False
         if self.inserts - self.deletes < max(self.min_size_to_sample, 1):
             return False
         return self.inserts * self.samples_per_insert - self.samples - n >= self.min_diff
@@ -247,6 +252,8 @@ class RateLimiter:
         blocked: bool | None = False
         try:
             while True:
+                if what == "sample" and self.sampling_stopped:
+                    raise SamplingStopped(_STOPPED)
                 if self.cancelled:
                     raise TableClosedError(f"table closed while a{'n' if what == 'insert' else ''} {what} waited "
                                            "on the rate limiter")
@@ -279,6 +286,9 @@ class RateLimiter:
     def _attempt(self, what: str, allowed: Callable[[], bool], ticket: WaitTicket, stats: CallStats) -> None:
         """The non-blocking form of ``_await`` (lock held): allowed now, or register the ticket and raise."""
         ticket.begin(self, what, stats)
+        if what == "sample" and self.sampling_stopped:
+            ticket.settle()
+            raise SamplingStopped(_STOPPED)
         if self.cancelled:
             ticket.settle()
             raise TableClosedError(f"table closed while a{'n' if what == 'insert' else ''} {what} waited "
@@ -361,6 +371,12 @@ class RateLimiter:
         self._can_insert_cv.notify_all()
         self._can_sample_cv.notify_all()
         self._wake_tickets("insert", None)
+        self._wake_tickets("sample", None)
+
+    def stop_sampling(self) -> None:
+        """No more samples (a graceful stop): every waiting sample ends with SamplingStopped, taking nothing."""
+        self.sampling_stopped = True
+        self._can_sample_cv.notify_all()
         self._wake_tickets("sample", None)
 
     def notify(self) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gear_server.errors import CallCancelled, NeedsInlinePlane, RateLimiterTimeout, TableClosedError
+from gear_server.errors import CallCancelled, NeedsInlinePlane, RateLimiterTimeout, SamplingStopped, TableClosedError
 from gear_server.table.columns import gather
 from gear_server.table.columns import slot_views as column_slot_views
 from gear_server.table.core import Abandoned, TableCore
@@ -63,7 +63,7 @@ def sample(core: TableCore, num_samples: int, timeout: float | None = None, aban
             if k == 0:
                 try:
                     rl.await_sample(deadline, ready=has_items, abandoned=abandoned)
-                except RateLimiterTimeout:
+                except (RateLimiterTimeout, SamplingStopped):  # what was taken is handed over
                     if taken:
                         break
                     raise

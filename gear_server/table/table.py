@@ -132,6 +132,13 @@ class Table:
         with core.lock:
             core.rate_limiter.wake_all()
 
+    def stop_sampling(self) -> None:
+        """Take no more samples (a graceful stop drains): waiting and later samples end with SamplingStopped
+        (UNAVAILABLE) having taken nothing; a sample already picking hands over what it took."""
+        core = self._core
+        with core.lock:
+            core.rate_limiter.stop_sampling()
+
     def signature(self) -> pb.Signature | None:
         """The configured signature (None without one; a learned layout is not a signature)."""
         sig = self._core.signature

@@ -127,6 +127,7 @@ def test_toml_mirror_shows_in_server_info_and_metrics(tmp_path):
     port = free_port()
     config = f"""
 instance_name = "tier{uuid.uuid4().hex[:8]}"
+bind_address = "127.0.0.1"
 port = 0
 [[tables]]
 name = "t"
@@ -159,6 +160,7 @@ def test_a_checkpoint_restores_into_the_configured_mirror(tmp_path):
     def config(budget: str) -> str:
         return f"""
 instance_name = "tier{uuid.uuid4().hex[:8]}"
+bind_address = "127.0.0.1"
 port = 0
 [[tables]]
 name = "t"
@@ -273,6 +275,7 @@ def test_server_option_refuses_a_bad_mirror():
 def test_a_cuda_mirror_without_a_gpu_is_refused_at_start(tmp_path):
     config = f"""
 instance_name = "tier{uuid.uuid4().hex[:8]}"
+bind_address = "127.0.0.1"
 port = 0
 [[tables]]
 name = "t"

@@ -71,7 +71,13 @@ def test_install_script_stages_config_token_docs_and_a_rendered_unit(tmp_path):
     config = root / "etc/gear/gear-server.toml"
     token = root / "etc/gear/token"
     unit = root / "etc/systemd/system/gear-server.service"
-    assert config.read_text() == EXAMPLE.read_text()
+    # The token is in force: the example's commented token_file line now names it, nothing else changed.
+    installed, example = config.read_text().splitlines(), EXAMPLE.read_text().splitlines()
+    changed = [(a, b) for a, b in zip(installed, example, strict=True) if a != b]
+    assert changed == [('token_file = "/etc/gear/token"', next(line for line in example
+                                                               if line.startswith("# token_file =")))]
+    assert load_config(config).auth.token_file == "/etc/gear/token"
+    assert 'token in force: token_file = "/etc/gear/token"' in result.stdout
     assert stat.S_IMODE(config.stat().st_mode) == 0o640
     assert stat.S_IMODE(token.stat().st_mode) == 0o640 and len(token.read_text().strip()) == 64
     assert (root / "opt/gear/doc/OPERATIONS.md").exists()

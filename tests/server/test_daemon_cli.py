@@ -29,7 +29,7 @@ PROMPT_S = 20.0
 def test_example_config_describes_its_tables():
     settings = load_config(EXAMPLE)
     server = settings.server
-    assert server.bind_address == "[::]" and server.port == 8000 and server.shm_dir == "/dev/shm"
+    assert server.bind_address == "127.0.0.1" and server.port == 8000 and server.shm_dir == "/dev/shm"
     tables = {t.name: t for t in server.tables}
     assert set(tables) == {"replay", "uniform", "queue"}
     replay = tables["replay"]

@@ -22,7 +22,8 @@ class DaemonProcess:
     configs use ``port = 0``. stderr goes to ``<name>.log`` in the test's folder.
     """
 
-    def __init__(self, folder, config_text: str, name: str = "daemon", env: dict[str, str] | None = None):
+    def __init__(self, folder, config_text: str, name: str = "daemon", env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()):
         self.folder = folder
         self.config_path = folder / f"{name}.toml"
         self.config_path.write_text(config_text)
@@ -37,7 +38,7 @@ class DaemonProcess:
         child_env["PYTHONPATH"] = str(ROOT) + os.pathsep + child_env.get("PYTHONPATH", "")
         child_env.pop("JOURNAL_STREAM", None)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in close())
-        self.process = subprocess.Popen([sys.executable, "-m", "gear_server", "--config", str(self.config_path)],
+        self.process = subprocess.Popen([sys.executable, "-m", "gear_server", "--config", str(self.config_path), *args],
                                         stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=child_env)
         self.port: int | None = None
 
@@ -99,3 +100,11 @@ class DaemonProcess:
                 pass
             self.notify.close()
             self._log.close()
+
+
+def run_daemon(config_path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """``python -m gear_server --config FILE ARGS`` run to its end (a start that must fail); stderr as text."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("NOTIFY_SOCKET", None)
+    return subprocess.run([sys.executable, "-m", "gear_server", "--config", str(config_path), *args], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)

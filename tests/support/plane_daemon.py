@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -12,6 +13,7 @@ from gear_server.daemon import Daemon
 from gear_server.data_planes.manager import DataPlaneManager
 from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.data_planes.stream_server import StreamServer, open_stream_server
+from gear_server.ops.auth import AuthSettings
 
 _instances = itertools.count()
 
@@ -40,7 +42,11 @@ class PlaneDaemon(Daemon):
     server: ``stream=True`` or ``stream=DataPlaneSettings(...)`` opens the daemon's own)."""
 
     def __init__(self, config: pb.ServerConfig | DaemonSettings, **manager_kwargs):
-        super().__init__(config, seed=0)
+        settings = config if isinstance(config, DaemonSettings) else DaemonSettings.from_server_config(config)
+        # Some of these daemons bind addresses other hosts reach (netns peers, every interface), without
+        # credentials: the exposure check's opt-out, said explicitly (credentials given are kept).
+        settings.auth = dataclasses.replace(settings.auth or AuthSettings(), allow_insecure=True)
+        super().__init__(settings, seed=0)
         self.manager_kwargs = {"rdma": None, **manager_kwargs}
         self.manager: DataPlaneManager | None = None
 

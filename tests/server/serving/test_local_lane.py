@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import socket
 import struct
 import time
@@ -139,9 +140,20 @@ def test_lane_request_round_trip_and_checks():
 
 # ------------------------------------------------------------------ daemons
 
+_SHM_DIRS: list[str] = []  # made by _config, removed after each test
+
+
+@pytest.fixture(autouse=True)
+def _remove_shm_dirs():
+    yield
+    while _SHM_DIRS:
+        shutil.rmtree(_SHM_DIRS.pop(), ignore_errors=True)
+
+
 def _config(port: int = 0) -> pb.ServerConfig:
     shm_dir = f"/dev/shm/gear-lane-{uuid.uuid4().hex[:10]}"
     os.makedirs(shm_dir)
+    _SHM_DIRS.append(shm_dir)
     table = pb.TableConfig(name="prio", sampler=selectors.Prioritized(1.0).to_proto(),
                            remover=selectors.Fifo().to_proto(), max_size=1000,
                            rate_limiter=rate_limiters.MinSize(1).to_proto())
