@@ -16,8 +16,14 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def namespace():
+def namespace(veth):
     """(namespace name, the host side's address): processes run there with ``ip netns exec``."""
+    yield veth[0], veth[1]
+
+
+@pytest.fixture
+def veth():
+    """(namespace name, host side's address, namespace side's address, host interface, namespace interface)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and ip(8)")
     tag = os.getpid() % 100000
@@ -39,7 +45,7 @@ def namespace():
             done = _run(*cmd)
             if done.returncode != 0:
                 pytest.skip(f"cannot set up a network namespace here ({' '.join(cmd)}: {done.stderr.strip()})")
-        yield ns, host_ip
+        yield ns, host_ip, ns_ip, host_if, ns_if
     finally:
         _run("ip", "link", "del", host_if)
         _run("ip", "netns", "del", ns)

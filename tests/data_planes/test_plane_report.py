@@ -18,10 +18,11 @@ from tests.support.plane_daemon import table_config
 
 def test_the_report_names_offered_planes_best_first_and_why_the_others_are_off():
     on = plane_report(None)
-    assert on.offered == ("shm", "rdma", "stream", "inline") and on.off == {}
-    off = plane_report("pyverbs missing", "no GPU: CuPy or a CUDA device is missing", "[data_planes] stream = false")
+    assert on.offered == ("shm", "rdma", "nixl", "stream", "inline") and on.off == {}
+    off = plane_report("pyverbs missing", "no GPU: CuPy or a CUDA device is missing", "[data_planes] stream = false",
+                       "NIXL not installed")
     assert off.offered == ("shm", "inline")
-    assert off.line() == ("data planes offered: shm, inline; off: rdma (pyverbs missing), "
+    assert off.line() == ("data planes offered: shm, inline; off: rdma (pyverbs missing), nixl (NIXL not installed), "
                           "stream ([data_planes] stream = false), gpu (no GPU: CuPy or a CUDA device is missing)")
 
 
