@@ -10,6 +10,8 @@ array); torch is never imported.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import uuid
 from typing import Any
 
@@ -37,15 +39,23 @@ def _load() -> tuple[Any, str | None]:
     global _module, _reason
     if _module is not None or _reason is not None:
         return _module, _reason
-    errors = []
+    broken = []  # installed but not importable (a missing shared library, a wrong CUDA build)
     for name in MODULES:
         try:
             module = importlib.import_module(name)
-            _module = module
-            return _module, None
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                broken.append(f"{name}: {exc}")
+            continue
         except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    _reason = "NIXL not installed (pip install 'gear[nixl]')"
+            broken.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent's start at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        _module = module
+        return _module, None
+    _reason = (f"NIXL cannot be imported ({'; '.join(broken)})" if broken
+               else "NIXL not installed (pip install 'gear[nixl]')")
     return None, _reason
 
 

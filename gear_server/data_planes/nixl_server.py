@@ -165,8 +165,10 @@ class NixlServer:
             grant.region = None
 
     def close(self) -> None:
+        """Deregister and unmap every segment, then let the agent go (its UCX workers and progress thread end)."""
         with self._lock:
             segments = list(self._segments.values())
             self._segments.clear()
             for reg in segments:
                 self._deregister(reg)
+            self.agent = None
