@@ -163,13 +163,3 @@ def test_a_daemon_without_nixl_answers_the_next_plane_and_a_failing_read_falls_b
                    for r in caplog.records)
     finally:
         d.stop()
-
-
-def test_the_operator_switches_nixl_off():
-    from gear_server.data_planes.nixl_server import NixlServer
-    from gear_server.data_planes.settings import DataPlaneSettings
-
-    server, why = NixlServer.open(DataPlaneSettings.from_toml({"nixl": False}))
-    assert server is None and why == "turned off ([data_planes] nixl = false)"
-    with pytest.raises(ValueError, match="nixl must be true or false"):
-        DataPlaneSettings.from_toml({"nixl": "yes"})

@@ -50,3 +50,12 @@ def test_data_plane_settings_parse_and_refuse_bad_values():
                      ({"stream_advertise": ""}, "stream_advertise")):
         with pytest.raises(ConfigError, match=key):
             parse_config({**base, "data_planes": bad})
+
+
+def test_the_operator_switches_nixl_off():
+    from gear_server.data_planes.nixl_server import NixlServer
+
+    server, why = NixlServer.open(DataPlaneSettings.from_toml({"nixl": False}))
+    assert server is None and why == "turned off ([data_planes] nixl = false)"
+    with pytest.raises(ValueError, match="nixl must be true or false"):
+        DataPlaneSettings.from_toml({"nixl": "yes"})
