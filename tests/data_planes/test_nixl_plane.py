@@ -163,3 +163,23 @@ def test_a_daemon_without_nixl_answers_the_next_plane_and_a_failing_read_falls_b
                    for r in caplog.records)
     finally:
         d.stop()
+
+
+def test_a_learner_whose_agent_cannot_start_falls_back_and_says_why(caplog, monkeypatch):
+    from gear_client.data_planes import nixl as nixl_plane
+
+    def no_agent(role):
+        raise nixl_agents.NixlUnavailableError("NIXL agent could not start: NIXL_ERR_BACKEND")
+
+    d = start_daemon(table_config("t", 8), nixl=True, stream=True)
+    try:
+        fill(d.tables["t"], 8, length=8, dim=64)
+        monkeypatch.setattr(nixl_plane.nixl_agents, "new_agent", no_agent)
+        with caplog.at_level(logging.INFO), _sampler(d, planes=["nixl", "stream", "inline"]) as s:
+            assert s.open() == "stream"
+            assert check_batch(s.sample(4)) == 4
+        assert any("nixl plane for table 't' unusable (NIXL agent could not start: NIXL_ERR_BACKEND)" in r.getMessage()
+                   for r in caplog.records)
+        assert d.manager.nixl.segments == ()  # the refused session's registration went with it
+    finally:
+        d.stop()
