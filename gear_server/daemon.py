@@ -116,7 +116,8 @@ class Daemon:
         return self.ops.checkpoint_function()
 
     def build_data_planes(self) -> DataPlaneManager:
-        """The learner data-plane manager (RDMA with a device and pyverbs, nixl with gear[nixl], streams as configured)."""
+        """The learner data-plane manager (RDMA with a device and pyverbs, nixl with gear[nixl], streams as
+        configured)."""
         settings = self.settings.data_planes or DataPlaneSettings()
         rdma, rdma_off = RdmaServer.open(settings)
         stream, stream_off = open_stream_server(settings, self.config.bind_address or "[::]", self.settings.auth)

@@ -72,7 +72,8 @@ class DataPlaneManager:
         self.nixl = nixl
         if nixl is None and nixl_off is None:
             nixl_off = "not attached"
-        self.report = plane_report(rdma_off, gpu_off_reason(), stream_off, nixl_off)  # the daemon logs report.line() at start
+        # the daemon logs report.line() at start
+        self.report = plane_report(rdma_off, gpu_off_reason(), stream_off, nixl_off)
         self.metrics: ServerMetrics | None = None  # set by the daemon (Operations.attach_data_planes)
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
                                         max_sessions=settings.max_sessions,
