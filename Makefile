@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu bench-remote
+.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-nixl bench-nixl test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu bench-remote
 
 install: $(STAMP)
 
@@ -72,6 +72,13 @@ gpu-wheels:
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "uvloop==0.23.0"
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "py-spy==0.4.3"  # prof/
+
+	# NIXL for the nixl plane (CUDA 13 build): its nixl_ep_cu13 folder (expert-parallel kernels gear does not
+	# use) dropped so that .whl fits the device machine's carry limit; there the same --target install.
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl/nixl-full \
+	  --platform manylinux_2_28_x86_64 "nixl-cu13==1.5.1"
+	$(PYTHON) tools/repack_wheel.py --drop nixl_ep_cu13 --out .whl .whl/nixl-full/nixl_cu13-*.whl
+	rm -rf .whl/nixl-full
 
 test-gpu:
 	$(GPU_ENV) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
@@ -176,6 +183,26 @@ $(RAY_VENV)/.installed: pyproject.toml
 
 test-ray: $(RAY_VENV)/.installed
 	$(RAY_VENV)/bin/python -m pytest -q -p no:cacheprovider -m ray tests/deploy
+
+# The nixl plane (tests marked nixl; `make test` skips them, saying why) in its own venv: NIXL's wheel without
+# torch (nixl-cu12 declares it but never imports it unless handed torch tensors; numpy is what it needs).
+# Over UCX's TCP transport: loopback and a veth pair into a network namespace (root).
+NIXL_VENV := .venv-nixl
+$(NIXL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(NIXL_VENV)
+	$(NIXL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NIXL_VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(NIXL_VENV)/bin/python -m pip install -q --no-deps "nixl-cu12==1.5.1"
+	$(NIXL_VENV)/bin/python -c "from gear_contract import nixl_agents as n; r = n.unavailable_reason(); \
+	  assert r is None, r"
+	touch $@
+
+test-nixl: $(NIXL_VENV)/.installed
+	$(NIXL_VENV)/bin/python -m pytest -q -p no:cacheprovider -m nixl tests/data_planes
+
+# The nixl plane's learner against the TCP ceiling of the same link (veth pair and loopback).
+bench-nixl: $(NIXL_VENV)/.installed
+	$(NIXL_VENV)/bin/python bench/bench_nixl.py
 
 serve: install
 	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml

@@ -219,11 +219,17 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
 
 
+def veth_names() -> tuple[str, str, str]:
+    """(namespace, host-side interface, namespace-side interface) of this process's ``veth_link``."""
+    tag = os.getpid() % 100000
+    return f"gearbr{tag}", f"gb{tag}a", f"gb{tag}b"
+
+
 @contextlib.contextmanager
 def veth_link() -> Iterator[tuple[str, list[str]]]:
     """(daemon address, command prefix that runs a process on the far side) of a veth pair into a namespace."""
     tag = os.getpid() % 100000
-    ns, host_if, ns_if = f"gearbr{tag}", f"gb{tag}a", f"gb{tag}b"
+    ns, host_if, ns_if = veth_names()
     net = f"10.{150 + tag % 50}.{tag % 250}"
     host_ip, ns_ip = f"{net}.1", f"{net}.2"
     setup = [("ip", "netns", "add", ns), ("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if),

@@ -7,10 +7,12 @@ The daemon answers with the best plane both sides can use, in this order:
 1. ``device`` when the learner is on the daemon's host, offers ``device`` (it has a GPU) and
    the table has a GPU mirror; else ``shm`` when the learner is on the daemon's host (same
    host identity),
-2. ``rdma`` when both sides have an RDMA device,
-3. ``stream`` when the daemon serves TCP bulk streams (windows sent with
+2. ``rdma`` when both sides have an RDMA device (gear's own verbs code),
+3. ``nixl`` when both sides have NIXL (``gear[nixl]``): the learner's agent READs
+   the registered segment over UCX (InfiniBand, RoCE, EFA, or TCP without them),
+4. ``stream`` when the daemon serves TCP bulk streams (windows sent with
    ``sendfile`` on several connections; another host without RDMA),
-4. ``inline`` otherwise (bytes in gRPC messages).
+5. ``inline`` otherwise (bytes in gRPC messages).
 
 Host identity: two processes can share the daemon's segments only when they run
 on the same kernel (boot id). The network namespace counts too: a learner in
@@ -33,9 +35,10 @@ from gear_contract._proto import replay_pb2 as pb
 DEVICE = "device"
 SHM = "shm"
 RDMA = "rdma"
+NIXL = "nixl"
 STREAM = "stream"
 INLINE = "inline"
-PLANES = (DEVICE, SHM, RDMA, STREAM, INLINE)  # best first
+PLANES = (DEVICE, SHM, RDMA, NIXL, STREAM, INLINE)  # best first
 
 # Pins the host identity (e.g. two containers that share /dev/shm and should use it).
 ENV_HOST_ID = "GEAR_HOST_ID"
@@ -100,14 +103,15 @@ def build_offer(planes: Iterable[str], host_id: str, rdma_endpoint: pb.RdmaEndpo
     """The learner's offer: the allowed planes it can actually use (``device``: it reads GPU mirrors)."""
     planes = set(planes)
     offer = pb.DataPlaneOffer(host_id=host_id, shm=SHM in planes, inline=INLINE in planes,
-                              device=device and DEVICE in planes, stream=STREAM in planes)
+                              device=device and DEVICE in planes, stream=STREAM in planes, nixl=NIXL in planes)
     if RDMA in planes and rdma_endpoint is not None:
         offer.rdma.CopyFrom(rdma_endpoint)
     return offer
 
 
 def choose_plane(offer: pb.DataPlaneOffer, daemon_host_id: str, daemon_has_rdma: bool,
-                 table_mirrored: bool = False, *, daemon_has_stream: bool = False) -> str:
+                 table_mirrored: bool = False, *, daemon_has_stream: bool = False,
+                 daemon_has_nixl: bool = False) -> str:
     """The daemon's pick: the best plane both sides support (NoCommonPlaneError if none)."""
     same_host = bool(offer.host_id) and offer.host_id == daemon_host_id
     if offer.device and same_host and table_mirrored:
@@ -116,17 +120,22 @@ def choose_plane(offer: pb.DataPlaneOffer, daemon_host_id: str, daemon_has_rdma:
         return SHM
     if offer.HasField("rdma") and daemon_has_rdma:
         return RDMA
+    if offer.nixl and daemon_has_nixl:
+        return NIXL
     if offer.stream and daemon_has_stream:
         return STREAM
     if offer.inline:
         return INLINE
-    offered = [name for name, ok in ((SHM, offer.shm), (RDMA, offer.HasField("rdma")), (STREAM, offer.stream),
+    offered = [name for name, ok in ((SHM, offer.shm), (RDMA, offer.HasField("rdma")), (NIXL, offer.nixl),
+                                     (STREAM, offer.stream),
                                      (INLINE, offer.inline)) if ok]
     reasons = []
     if offer.shm:
         reasons.append("shm needs the learner on the daemon's host")
     if offer.HasField("rdma"):
         reasons.append("the daemon has no RDMA device")
+    if offer.nixl:
+        reasons.append("the daemon has no NIXL agent (gear[nixl] not installed or [data_planes] nixl = false)")
     if offer.stream:
         reasons.append("the daemon serves no streams ([data_planes] stream = false)")
     raise NoCommonPlaneError(

@@ -31,6 +31,7 @@ from gear_server import __version__
 from gear_server.config import DaemonSettings
 from gear_server.daemon_ops import Operations
 from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.data_planes.nixl_server import NixlServer
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.data_planes.stream_server import open_stream_server
@@ -115,12 +116,15 @@ class Daemon:
         return self.ops.checkpoint_function()
 
     def build_data_planes(self) -> DataPlaneManager:
-        """The learner data-plane manager (RDMA when configured and this host has a device and pyverbs)."""
+        """The learner data-plane manager (RDMA with a device and pyverbs, nixl with gear[nixl], streams as
+        configured)."""
         settings = self.settings.data_planes or DataPlaneSettings()
         rdma, rdma_off = RdmaServer.open(settings)
         stream, stream_off = open_stream_server(settings, self.config.bind_address or "[::]", self.settings.auth)
+        nixl, nixl_off = NixlServer.open(settings)
         manager = DataPlaneManager(self.tables, self.host_id, self.calls, rdma=rdma, rdma_off=rdma_off,
-                                   settings=settings, stream=stream, stream_off=stream_off)
+                                   settings=settings, stream=stream, stream_off=stream_off, nixl=nixl,
+                                   nixl_off=nixl_off)
         log.info("%s", manager.report.line())
         return manager
 

@@ -1,8 +1,8 @@
 """Opening one table's data plane: offer the planes allowed, build the one the daemon picks, fall back.
 
-The learner offers device (when its batches go to a GPU), shm, rdma, stream (when it
-knows the daemon's host) and inline as allowed and available (rdma with the endpoint
-of a connection made for it); the daemon answers with one. A plane
+The learner offers device (when its batches go to a GPU), shm, rdma, nixl (where NIXL is
+installed), stream (when it knows the daemon's host) and inline as allowed and available
+(rdma with the endpoint of a connection made for it); the daemon answers with one. A plane
 that cannot come up here (segment not openable, RDMA connection refused) is
 excluded and the next best negotiated, until one comes up or none is left.
 """
@@ -21,7 +21,7 @@ from gear_client.connection.channel import DaemonChannel
 from gear_client.data_planes.plane import ReadingPlane, SamplingPlane
 from gear_client.data_planes.projection import ColumnChoice
 from gear_client.data_planes.session import PlaneSession
-from gear_contract import negotiation
+from gear_contract import negotiation, nixl_agents
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 
@@ -89,6 +89,8 @@ class PlaneOpener:
             allowed = self._allowed(excluded)
             if self._stream_host() is None:  # no host to reach the daemon's listener on (a bare channel or stub)
                 allowed = [p for p in allowed if p != negotiation.STREAM] or allowed
+            if negotiation.NIXL in allowed and nixl_agents.unavailable_reason() is not None:
+                allowed = [p for p in allowed if p != negotiation.NIXL] or allowed
             conn = self._rdma_connection(allowed)
             offer = negotiation.build_offer(allowed, self.host_id, conn.endpoint() if conn is not None else None,
                                             device=self._reads_gpu_mirrors())
@@ -166,6 +168,13 @@ class PlaneOpener:
             conn.connect(response.rdma)
             return RdmaPlane(session, layout, response.region if response.HasField("region") else None, conn,
                              columns=self.columns)
+        if response.kind == negotiation.NIXL:
+            from gear_client.data_planes.nixl import NixlPlane
+
+            if not response.HasField("nixl") and layout is not None:
+                raise RuntimeError("the daemon chose nixl without its agent's region")
+            return NixlPlane(session, layout, response.nixl if response.HasField("nixl") else None,
+                             device=self.device, columns=self.columns)
         if response.kind == negotiation.STREAM:
             from gear_client.data_planes.stream import StreamPlane
 

@@ -34,7 +34,7 @@ class PlaneInterrupted(Exception):
 class Plane(Protocol):
     """What every data plane does."""
 
-    kind: str  # "shm", "rdma", "stream" or "inline"
+    kind: str  # "shm", "rdma", "nixl", "stream" or "inline"
     layout: TableLayout | None  # the layout batches are padded by (None before the table has one)
     bytes_moved: int  # item bytes moved so far: read from the segment (shm, rdma), received (inline)
 
@@ -46,10 +46,11 @@ class Plane(Protocol):
 
 
 class ReadingPlane(Plane, Protocol):
-    """A plane that reads the items a Select leased (shm, rdma, stream)."""
+    """A plane that reads the items a Select leased (shm, rdma, nixl, stream)."""
 
-    def set_layout(self, layout: TableLayout, region: pb.RdmaRegion | None) -> None:
-        """Read ``layout``'s segment from now on (FileNotFoundError: it is already unlinked)."""
+    def set_layout(self, layout: TableLayout, region: pb.RdmaRegion | pb.NixlRegion | None) -> None:
+        """Read ``layout``'s segment from now on (``region``: its registration, rdma and nixl; FileNotFoundError:
+        it is already unlinked)."""
 
     def start(self, selection: ItemSelection, window: WindowSpec) -> Pending:
         """Begin gathering ``selection``; the lease may be released only after ``wait()``."""

@@ -498,7 +498,8 @@ class PlaneSampler:
             return LayoutStep.RECOVER
         return LayoutStep.GATHER
 
-    def _map_layout(self, plane: ReadingPlane, layout: TableLayout, region: pb.RdmaRegion | None) -> bool:
+    def _map_layout(self, plane: ReadingPlane, layout: TableLayout,
+                    region: pb.RdmaRegion | pb.NixlRegion | None) -> bool:
         """Switch the plane to ``layout``; False if its segment is already gone because the table grew again.
 
         The daemon attaches the table's layout of the moment to an answer; a

@@ -38,7 +38,7 @@ class ItemSelection:
     lease_id: int
     layout_version: int
     layout: TableLayout | None = None  # sent when the table's layout changed since the session last saw it
-    region: pb.RdmaRegion | None = None  # rdma: that layout's memory region
+    region: pb.RdmaRegion | pb.NixlRegion | None = None  # rdma, nixl: that layout's registered segment
     mirror_rows: np.ndarray | None = None  # device: each item's GPU-mirror row (-1: read from the segment)
 
     def __len__(self) -> int:
@@ -58,6 +58,8 @@ def parse_select(response: pb.SelectResponse, num_columns: int | None) -> ItemSe
 
     layout = TableLayout.from_proto(response.layout) if response.HasField("layout") else None
     region = response.region if response.HasField("region") else None
+    if response.HasField("nixl"):
+        region = response.nixl
     if response.HasField("slots"):  # packed
         slots = _array(response.slots, "<i8")
         lengths = _array(response.lengths, "<i4").astype(np.int64)

@@ -450,20 +450,22 @@ class RdmaEndpoint(_message.Message):
     def __init__(self, device: _Optional[str] = ..., port: _Optional[int] = ..., link_layer: _Optional[str] = ..., lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., gid_index: _Optional[int] = ..., mtu: _Optional[int] = ..., qp_nums: _Optional[_Iterable[int]] = ..., psns: _Optional[_Iterable[int]] = ..., max_rd_atomic: _Optional[int] = ..., max_msg_size: _Optional[int] = ...) -> None: ...
 
 class DataPlaneOffer(_message.Message):
-    __slots__ = ("shm", "host_id", "rdma", "inline", "device", "stream")
+    __slots__ = ("shm", "host_id", "rdma", "inline", "device", "stream", "nixl")
     SHM_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     shm: bool
     host_id: str
     rdma: RdmaEndpoint
     inline: bool
     device: bool
     stream: bool
-    def __init__(self, shm: _Optional[bool] = ..., host_id: _Optional[str] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., inline: _Optional[bool] = ..., device: _Optional[bool] = ..., stream: _Optional[bool] = ...) -> None: ...
+    nixl: bool
+    def __init__(self, shm: _Optional[bool] = ..., host_id: _Optional[str] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., inline: _Optional[bool] = ..., device: _Optional[bool] = ..., stream: _Optional[bool] = ..., nixl: _Optional[bool] = ...) -> None: ...
 
 class StreamEndpoint(_message.Message):
     __slots__ = ("host", "port", "credential", "connections", "tls")
@@ -527,6 +529,22 @@ class RdmaRegion(_message.Message):
     length: int
     def __init__(self, addr: _Optional[int] = ..., rkey: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
+class NixlRegion(_message.Message):
+    __slots__ = ("agent_metadata", "agent", "addr", "length", "device_id", "mem_type")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    agent: str
+    addr: int
+    length: int
+    device_id: int
+    mem_type: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent: _Optional[str] = ..., addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ...) -> None: ...
+
 class OpenDataPlaneRequest(_message.Message):
     __slots__ = ("table", "offer", "group")
     TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -550,7 +568,7 @@ class SelectionGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms", "stream", "device_tier")
+    __slots__ = ("session_id", "kind", "layout", "rdma", "region", "lease_timeout_ms", "session_idle_timeout_ms", "stream", "nixl", "device_tier")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -559,6 +577,7 @@ class OpenDataPlaneResponse(_message.Message):
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: str
@@ -568,8 +587,9 @@ class OpenDataPlaneResponse(_message.Message):
     lease_timeout_ms: int
     session_idle_timeout_ms: int
     stream: StreamEndpoint
+    nixl: NixlRegion
     device_tier: DeviceTier
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ..., stream: _Optional[_Union[StreamEndpoint, _Mapping]] = ..., device_tier: _Optional[_Union[DeviceTier, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., rdma: _Optional[_Union[RdmaEndpoint, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ..., session_idle_timeout_ms: _Optional[int] = ..., stream: _Optional[_Union[StreamEndpoint, _Mapping]] = ..., nixl: _Optional[_Union[NixlRegion, _Mapping]] = ..., device_tier: _Optional[_Union[DeviceTier, _Mapping]] = ...) -> None: ...
 
 class DeviceTier(_message.Message):
     __slots__ = ("device", "ipc_handle", "nbytes", "host_path")
@@ -616,7 +636,7 @@ class SelectRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., num_batches: _Optional[int] = ..., group_step: _Optional[int] = ..., group_picks: _Optional[int] = ..., group_offset: _Optional[int] = ...) -> None: ...
 
 class SelectResponse(_message.Message):
-    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids", "batch_lease_ids", "batch_sizes", "mirror_rows")
+    __slots__ = ("refs", "info", "layout_version", "lease_id", "layout", "region", "slots", "generations", "lengths", "keys", "probabilities", "table_sizes", "priorities", "times_sampled", "stale_lease_ids", "nixl", "batch_lease_ids", "batch_sizes", "mirror_rows")
     REFS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -632,6 +652,7 @@ class SelectResponse(_message.Message):
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     STALE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     BATCH_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     MIRROR_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -650,10 +671,11 @@ class SelectResponse(_message.Message):
     priorities: Tensor
     times_sampled: Tensor
     stale_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    nixl: NixlRegion
     batch_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     mirror_rows: Tensor
-    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ..., batch_lease_ids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., mirror_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, refs: _Optional[_Iterable[_Union[ItemRef, _Mapping]]] = ..., info: _Optional[_Iterable[_Union[SampleInfo, _Mapping]]] = ..., layout_version: _Optional[int] = ..., lease_id: _Optional[int] = ..., layout: _Optional[_Union[TableLayout, _Mapping]] = ..., region: _Optional[_Union[RdmaRegion, _Mapping]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., probabilities: _Optional[_Union[Tensor, _Mapping]] = ..., table_sizes: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., times_sampled: _Optional[_Union[Tensor, _Mapping]] = ..., stale_lease_ids: _Optional[_Iterable[int]] = ..., nixl: _Optional[_Union[NixlRegion, _Mapping]] = ..., batch_lease_ids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., mirror_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")

@@ -3,7 +3,8 @@
 ``ReplayService`` delegates the four RPCs here. ``open`` negotiates the plane
 (gear_contract.negotiation) and returns what it needs: the table
 layout for shm (the learner maps the segment), the layout plus the daemon's
-queue pairs and the segment's memory region for rdma, nothing for inline (the
+queue pairs and the segment's memory region for rdma, the layout plus the
+daemon's NIXL agent metadata and the registered segment for nixl, nothing for inline (the
 learner then samples with the Sample RPC). ``select`` samples like the Sample
 RPC but returns item references (slot, generation, lengths) with their
 SampleInfo and leases the slots; ``release`` ends leases and says which were
@@ -28,6 +29,7 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 from gear_contract.wire import encode_tensor_fields
 from gear_server.data_planes.groups import GroupRegistry, MakerLeft, StepGone, step_rng
+from gear_server.data_planes.nixl_server import NixlGrant, NixlServer
 from gear_server.data_planes.offers import gpu_off_reason, plane_report
 from gear_server.data_planes.rdma_server import RdmaServer
 from gear_server.data_planes.sessions import Session, SessionNotFoundError, SessionRegistry, peer_identity
@@ -53,9 +55,10 @@ class DataPlaneManager:
                  rdma_off: str | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, reap_interval_s: float | None = None,
                  settings: DataPlaneSettings | None = None, stream: StreamServer | None = None,
-                 stream_off: str | None = None):
+                 stream_off: str | None = None, nixl: NixlServer | None = None, nixl_off: str | None = None):
         """``rdma``: the daemon's RDMA server (``RdmaServer.open``), or None and ``rdma_off`` saying why;
-        ``stream``: the TCP stream plane's server (``open_stream_server``), or None and ``stream_off`` saying why."""
+        ``stream``: the TCP stream plane's server (``open_stream_server``), or None and ``stream_off`` saying why;
+        ``nixl``: the nixl plane's agent (``NixlServer.open``), or None and ``nixl_off`` saying why."""
         self.tables = tables  # the daemon's dict: tables added later are seen
         self.host_id = host_id
         settings = settings or DataPlaneSettings()
@@ -66,7 +69,11 @@ class DataPlaneManager:
         self.stream = stream
         if stream is None and stream_off is None:
             stream_off = "not attached"
-        self.report = plane_report(rdma_off, gpu_off_reason(), stream_off)  # the daemon logs report.line() at start
+        self.nixl = nixl
+        if nixl is None and nixl_off is None:
+            nixl_off = "not attached"
+        # the daemon logs report.line() at start
+        self.report = plane_report(rdma_off, gpu_off_reason(), stream_off, nixl_off)
         self.metrics: ServerMetrics | None = None  # set by the daemon (Operations.attach_data_planes)
         self.sessions = SessionRegistry(lease_timeout_s=lease_timeout_s, idle_timeout_s=idle_timeout_s,
                                         max_sessions=settings.max_sessions,
@@ -111,6 +118,8 @@ class DataPlaneManager:
             self.rdma.close()
         if self.stream is not None:
             self.stream.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
     def _on_session_closed(self, session: Session) -> None:
         if session.group is not None:
@@ -125,6 +134,9 @@ class DataPlaneManager:
         if isinstance(session.resources, StreamGrant):
             if self.stream is not None:
                 self.stream.close_session(session.resources)
+        elif isinstance(session.resources, NixlGrant):
+            if self.nixl is not None:
+                self.nixl.close_session(session.resources)
         elif session.resources is not None and self.rdma is not None:
             try:
                 self.rdma.close_session(session.resources)
@@ -150,7 +162,8 @@ class DataPlaneManager:
         try:
             kind = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None,
                                             table_mirrored=table.mirror is not None,
-                                            daemon_has_stream=self.stream is not None)
+                                            daemon_has_stream=self.stream is not None,
+                                            daemon_has_nixl=self.nixl is not None)
         except negotiation.NoCommonPlaneError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         peer = peer_identity(context)
@@ -217,6 +230,19 @@ class DataPlaneManager:
                 self.sessions.close(session.session_id)
                 raise
             response.stream.CopyFrom(self.stream.endpoint(grant))
+        elif kind == negotiation.NIXL:
+            session.resources = grant = self.nixl.grant(session.session_id)
+            try:
+                layout, nixl_region = self._nixl_layout(table, grant, layout)
+            except Exception as exc:  # noqa: BLE001 - the agent refused the segment: answer the next plane
+                self.sessions.close(session.session_id)
+                fallback = negotiation.choose_plane(request.offer, self.host_id, self.rdma is not None,
+                                                    daemon_has_stream=self.stream is not None)
+                log.warning("nixl: registering table '%s' with the agent failed (%s); answering %s",
+                            table.name, exc, fallback)
+                return self._open(table, fallback, request, peer)
+            if nixl_region is not None:
+                response.nixl.CopyFrom(nixl_region)
         if layout is not None:
             session.layout_version = layout.version
             response.layout.CopyFrom(layout.to_proto())
@@ -251,6 +277,7 @@ class DataPlaneManager:
 
         def release_first() -> None:  # leases the learner is done with (takes table locks: on the pool)
             stale.extend(self.sessions.release(session, ended))
+            self._release_retired(session)
 
         table = session.table
         timeout = request.timeout_ms / 1000.0 if request.timeout_ms > 0 else None
@@ -378,6 +405,25 @@ class DataPlaneManager:
                 layout = newer
         raise OSError(f"table '{table.name}' keeps moving to new segments; cannot open one for streaming")
 
+    def _nixl_layout(self, table: Table, grant: NixlGrant, layout: TableLayout | None,
+                     watermark: int = 0) -> tuple[TableLayout | None, pb.NixlRegion | None]:
+        """Register the segment of the table's layout with the agent for a nixl session; (layout, its region).
+
+        A growth between reading the layout and mapping its file replaces the file:
+        the layout is read again (a few times at most).
+        """
+        for _ in range(8):
+            if layout is None:
+                return None, None
+            try:
+                return layout, self.nixl.attach(grant, layout, watermark)
+            except FileNotFoundError:
+                newer = table.layout()
+                if newer is None or newer.version == layout.version:
+                    raise
+                layout = newer
+        raise OSError(f"table '{table.name}' keeps moving to new segments; cannot register one with NIXL")
+
     def _send_layout(self, session: Session, table: Table, response: pb.SelectResponse,
                      context: aio.ServicerContext) -> None:
         """Attach the table's current layout (a growth copies every slot, so it addresses the refs too).
@@ -387,6 +433,15 @@ class DataPlaneManager:
         layout = table.layout()
         if isinstance(session.resources, StreamGrant):
             layout = self._stream_layout(table, session.resources, layout)
+        elif isinstance(session.resources, NixlGrant):
+            try:
+                # leases up to this Select's may address the segment read so far
+                layout, region = self._nixl_layout(table, session.resources, layout, session.next_lease)
+            except OSError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the agent's own errors
+                raise OSError(f"registering the grown segment with NIXL failed: {exc}") from exc
+            response.nixl.CopyFrom(region)
         response.layout_version = layout.version
         response.layout.CopyFrom(layout.to_proto())
         if session.resources is not None and self.rdma is not None and session.kind == negotiation.RDMA:
@@ -401,7 +456,14 @@ class DataPlaneManager:
         session = await self._session(request.session_id, context)
         calls = calls if calls is not None else self.calls
         stale = await calls.run(self.sessions.release, session, list(request.lease_ids))
+        self._release_retired(session)
         return pb.ReleaseResponse(stale_lease_ids=stale)
+
+    def _release_retired(self, session: Session) -> None:
+        """A nixl session's earlier segments go once none of its open leases may address them."""
+        grant = session.resources
+        if isinstance(grant, NixlGrant) and grant.retired and self.nixl is not None:
+            self.nixl.release_retired(grant, self.sessions.oldest_lease(session))
 
     async def close(self, request: pb.CloseDataPlaneRequest,
                     context: aio.ServicerContext) -> pb.CloseDataPlaneResponse:

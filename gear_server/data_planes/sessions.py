@@ -197,6 +197,11 @@ class SessionRegistry:
         with self._lock:
             return sum(len(s.leases) for s in self._sessions.values())
 
+    def oldest_lease(self, session: Session) -> int | None:
+        """The lowest id among the session's open leases (None: it holds none)."""
+        with self._lock:
+            return min(session.leases, default=None)
+
     def counts_by_kind(self) -> dict[str, int]:
         """Open sessions per plane kind (the daemon's metrics read it at scrape time)."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""The ``[data_planes]`` section: session caps, the RDMA port and the TCP stream plane the daemon serves learners on."""
+"""The ``[data_planes]`` section: session caps, the RDMA port, the nixl plane and the TCP stream plane for learners."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _RANGES = {
     "stream_max_connections": (1, 1 << 16),
     "stream_stall_timeout_s": (1, 3600),
 }
-_BOOLS = ("rdma", "stream", "stream_plaintext")
+_BOOLS = ("rdma", "nixl", "stream", "stream_plaintext")
 _HOSTS = ("rdma_device", "stream_bind", "stream_advertise")
 
 
@@ -37,6 +37,7 @@ class DataPlaneSettings:
     rdma_gid_index: int | None = None  # RoCE: the GID (hence IP version and VLAN) packets leave from
     rdma_service_level: int | None = None  # lossless RoCE: the SL mapped to the PFC-protected priority
     rdma_traffic_class: int | None = None  # lossless RoCE: DSCP << 2 of the lossless class
+    nixl: bool = True  # false: never offer the nixl plane, even with gear[nixl] installed
     stream: bool = True  # false: never offer the TCP stream plane (remote learners read inline)
     stream_port: int = 0  # the stream listener's port (0: any free port; the learner learns it in OpenDataPlane)
     stream_bind: str | None = None  # the address it listens on (default: the control plane's bind_address)

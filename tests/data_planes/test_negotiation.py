@@ -52,6 +52,21 @@ def test_the_device_plane_needs_the_offer_the_host_and_a_mirrored_table():
     assert not neg.build_offer(["device", "shm"], "h", None).device  # no GPU to read it with
 
 
+def test_nixl_ranks_below_shm_and_rdma_and_above_stream():
+    rdma = emulated_port().endpoint([0x10], [1])
+    every = offer(shm=True, host_id="x", rdma=rdma, nixl=True, stream=True, inline=True)
+    both = {"daemon_has_stream": True, "daemon_has_nixl": True}
+    assert neg.choose_plane(offer(shm=True, host_id="h", nixl=True), "h", False, **both) == neg.SHM
+    assert neg.choose_plane(every, "h", True, **both) == neg.RDMA
+    assert neg.choose_plane(every, "h", False, **both) == neg.NIXL
+    assert neg.choose_plane(every, "h", False, daemon_has_stream=True) == neg.STREAM  # the daemon has no NIXL agent
+    assert neg.choose_plane(offer(nixl=True, inline=True), "h", False) == neg.INLINE
+    with pytest.raises(neg.NoCommonPlaneError, match="the daemon has no NIXL agent"):
+        neg.choose_plane(offer(nixl=True), "h", False, daemon_has_stream=True)
+    assert neg.build_offer(["nixl", "inline"], "x", None).nixl
+    assert not neg.build_offer(["stream", "inline"], "x", None).nixl
+
+
 def test_plane_lists_are_checked_and_kept_best_first():
     assert neg.normalise_planes(None) == neg.PLANES
     assert neg.normalise_planes(["inline", "SHM"]) == ("shm", "inline")

@@ -9,6 +9,7 @@ import pytest
 from gear_client.data_planes import plane as plane_protocols
 from gear_client.data_planes import sampler as sampler_module
 from gear_client.data_planes.inline import InlinePlane
+from gear_client.data_planes.nixl import NixlPlane
 from gear_client.data_planes.plane import Plane, ReadingPlane, SamplingPlane
 from gear_client.data_planes.rdma import RdmaPlane
 from gear_client.data_planes.shm import ShmPlane
@@ -29,6 +30,7 @@ def members(protocol: type) -> dict[str, inspect.Signature]:
 
 @pytest.mark.parametrize(("protocol", "cls", "kind"), [(ReadingPlane, ShmPlane, "shm"),
                                                        (ReadingPlane, RdmaPlane, "rdma"),
+                                                       (ReadingPlane, NixlPlane, "nixl"),
                                                        (ReadingPlane, StreamPlane, "stream"),
                                                        (SamplingPlane, InlinePlane, "inline")])
 def test_each_plane_implements_its_protocol_with_the_same_parameters(protocol, cls, kind):

@@ -18,10 +18,11 @@ from tests.support.plane_daemon import table_config
 
 def test_the_report_names_offered_planes_best_first_and_why_the_others_are_off():
     on = plane_report(None)
-    assert on.offered == ("shm", "rdma", "stream", "inline") and on.off == {}
-    off = plane_report("pyverbs missing", "no GPU: CuPy or a CUDA device is missing", "[data_planes] stream = false")
+    assert on.offered == ("shm", "rdma", "nixl", "stream", "inline") and on.off == {}
+    off = plane_report("pyverbs missing", "no GPU: CuPy or a CUDA device is missing", "[data_planes] stream = false",
+                       "NIXL not installed")
     assert off.offered == ("shm", "inline")
-    assert off.line() == ("data planes offered: shm, inline; off: rdma (pyverbs missing), "
+    assert off.line() == ("data planes offered: shm, inline; off: rdma (pyverbs missing), nixl (NIXL not installed), "
                           "stream ([data_planes] stream = false), gpu (no GPU: CuPy or a CUDA device is missing)")
 
 
@@ -49,3 +50,12 @@ def test_data_plane_settings_parse_and_refuse_bad_values():
                      ({"stream_advertise": ""}, "stream_advertise")):
         with pytest.raises(ConfigError, match=key):
             parse_config({**base, "data_planes": bad})
+
+
+def test_the_operator_switches_nixl_off():
+    from gear_server.data_planes.nixl_server import NixlServer
+
+    server, why = NixlServer.open(DataPlaneSettings.from_toml({"nixl": False}))
+    assert server is None and why == "turned off ([data_planes] nixl = false)"
+    with pytest.raises(ValueError, match="nixl must be true or false"):
+        DataPlaneSettings.from_toml({"nixl": "yes"})

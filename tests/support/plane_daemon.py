@@ -11,6 +11,7 @@ from gear_contract._proto import replay_pb2 as pb
 from gear_server.config import DaemonSettings
 from gear_server.daemon import Daemon
 from gear_server.data_planes.manager import DataPlaneManager
+from gear_server.data_planes.nixl_server import NixlServer
 from gear_server.data_planes.settings import DataPlaneSettings
 from gear_server.data_planes.stream_server import StreamServer, open_stream_server
 from gear_server.ops.auth import AuthSettings
@@ -39,7 +40,8 @@ def queue_config(name: str, size: int = 32) -> pb.TableConfig:
 
 class PlaneDaemon(Daemon):
     """A real daemon whose data-plane manager takes test settings (lease timeouts, an RDMA server, a stream
-    server: ``stream=True`` or ``stream=DataPlaneSettings(...)`` opens the daemon's own)."""
+    server: ``stream=True`` or ``stream=DataPlaneSettings(...)`` opens the daemon's own; ``nixl=True`` its
+    NIXL agent)."""
 
     def __init__(self, config: pb.ServerConfig | DaemonSettings, **manager_kwargs):
         settings = config if isinstance(config, DaemonSettings) else DaemonSettings.from_server_config(config)
@@ -57,6 +59,8 @@ class PlaneDaemon(Daemon):
             settings = stream if isinstance(stream, DataPlaneSettings) else DataPlaneSettings()
             stream, kwargs["stream_off"] = open_stream_server(settings, self.config.bind_address or "[::]",
                                                               self.settings.auth)
+        if kwargs.get("nixl") is True:
+            kwargs["nixl"], kwargs["nixl_off"] = NixlServer.open(DataPlaneSettings())
         self.manager = DataPlaneManager(self.tables, self.host_id, self.calls, stream=stream, **kwargs)
         return self.manager
 

@@ -26,3 +26,14 @@ def batch_chunk(first_key, n, steps):
                         keys.astype(np.int32), [keys.astype(np.int64), obs],
                         np.stack([np.ones(n), np.full(n, steps)], axis=1).astype(np.int32),
                         nest.structure_of((0, 0)), (True, False), plane="shm")
+
+
+class HostView:
+    """A SampledBatch gathered on a GPU, its columns copied to the host (for ``trajectories.check_batch``)."""
+
+    def __init__(self, batch):
+        self.columns = [c.get() for c in batch.columns]
+        self.lengths, self.keys = batch.lengths, batch.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
