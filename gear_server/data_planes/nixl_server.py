@@ -6,7 +6,7 @@ segment version; the agent's metadata (connection details and the registered
 memory) goes to the learner in ``OpenDataPlane`` (and with a ``Select`` that
 carries a new layout). The learner's agent then READs the windows of its leased
 items; no daemon Python code runs per read. A table that grows moves to a new
-segment: it is registered when the first session attaches it. The session keeps
+segment: it is registered when a session first attaches it. The session keeps
 the old one until every lease it took before the move is released (a READ of those
 may still be in flight; over UCX's TCP transport the daemon serves READs from the
 address asked, so memory must stay mapped while it can be asked for); the segment
