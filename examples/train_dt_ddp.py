@@ -11,8 +11,9 @@ What runs, all on this machine, all stopped at the end:
     torch.distributed, ``device="cuda:<rank>"`` gathers on the GPU, ``columns=`` fetches only the fields the
     model reads (the rewards stay in the table).
 
-The same ranks then train on synthetic batches already in device memory (the ceiling). The run prints both
-modes' steps/s and the fraction of the step time each rank waited on replay, against the goal (<= 5%).
+In turns with replay, the same ranks train on synthetic input: copies of a few replayed batches kept in device
+memory, no input pipeline at all (the ceiling). The run prints both modes' steps/s and the fraction of the step
+time each rank waited on replay, against the goal (<= 5%).
 
     python examples/train_dt_ddp.py --world-size 2 --steps 50      # CPU, gloo
     NCCL_NVLS_ENABLE=0 python3 examples/train_dt_ddp.py --device cuda   # one rank per GPU, NCCL
@@ -39,6 +40,7 @@ import gear_client as reverb  # noqa: E402
 TABLE = "trajectories"
 FIELDS = ("observation", "action", "return_to_go")  # what the model reads; "reward" is in the items too
 WAIT_GOAL = 0.05  # replay wait <= 5% of the step time
+ROUNDS = 5  # the two modes alternate this many times
 
 
 # ---------------------------------------------------------------- actors
@@ -99,13 +101,22 @@ def make_model(args: argparse.Namespace):
     return DecisionTransformer()
 
 
-def train(model, optimizer, next_batch, args: argparse.Namespace, sync) -> dict:
-    """``args.warmup`` unmeasured steps, then ``args.steps`` measured: steps/s and the share of time in next_batch."""
+class Meter:
+    """Measured steps of one mode: time in next_batch, time in whole steps, losses."""
+
+    def __init__(self) -> None:
+        self.steps, self.waited, self.total, self.losses = 0, 0.0, 0.0, []
+
+    def figures(self) -> dict:
+        return {"steps_per_s": self.steps / self.total, "wait": self.waited / self.total,
+                "loss": (self.losses[0], self.losses[-1])}
+
+
+def train(model, optimizer, next_batch, steps: int, sync, meter: Meter | None) -> None:
+    """``steps`` training steps; timed into ``meter`` (None: warm-up, not measured)."""
     import torch.nn.functional as F
 
-    waited = total = 0.0
-    losses = []
-    for i in range(args.warmup + args.steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         obs, action, rtg = next_batch()
         t1 = time.perf_counter()
@@ -114,14 +125,14 @@ def train(model, optimizer, next_batch, args: argparse.Namespace, sync) -> dict:
         loss.backward()  # DDP all-reduces the gradients here
         optimizer.step()
         sync()
-        if i >= args.warmup:
-            waited, total = waited + t1 - t0, total + time.perf_counter() - t0
-        losses.append(float(loss.detach()))
-    return {"steps_per_s": args.steps / total, "wait": waited / total, "loss": (losses[0], losses[-1])}
+        if meter is not None:
+            meter.steps += 1
+            meter.waited, meter.total = meter.waited + t1 - t0, meter.total + time.perf_counter() - t0
+            meter.losses.append(float(loss.detach()))
 
 
 def rank_main(rank: int, args: argparse.Namespace, address: str, results) -> None:
-    """One DDP rank: replay mode, then synthetic mode; its figures go to ``results``."""
+    """One DDP rank: replay and synthetic modes in turns; its figures go to ``results``."""
     import datetime
 
     import torch
@@ -148,32 +159,36 @@ def rank_main(rank: int, args: argparse.Namespace, address: str, results) -> Non
         with reverb.TrajectoryDataset(address, TABLE, args.batch, device=f"cuda:{rank}" if cuda else None,
                                       output="torch", columns=list(FIELDS), seed=args.seed,
                                       rate_limiter_timeout_ms=args.timeout * 1000) as dataset:
-            first = next(dataset)
-            fetched = sorted(first.data)
-            batch_bytes = sum(first.data[name].nbytes for name in fetched)
-
             def next_replay():
                 sample = next(dataset, None)
                 if sample is None:
                     raise RuntimeError(f"replay ended: nothing could be sampled for --timeout {args.timeout} s")
-                data = sample.data
-                return data["observation"], data["action"], data["return_to_go"]
+                return sample.data["observation"], sample.data["action"], sample.data["return_to_go"]
 
-            replay = train(model, optimizer, next_replay, args, sync)
+            first = next(dataset)
+            fetched = sorted(first.data)
+            batch_bytes = sum(first.data[name].nbytes for name in fetched)
+            # Synthetic: the same training on batches already in device memory (copies of 4 replayed batches,
+            # so both modes learn the same task), with no input pipeline at all: the ceiling.
+            pool = [tuple(t.clone() for t in next_replay()) for _ in range(4)]
+            counter = iter(range(1 << 62))
+
+            def next_synthetic():
+                return pool[next(counter) % len(pool)]
+
+            # The modes take turns, in rounds, so that both see the same machine (load, clocks, actors).
+            replay, synthetic = Meter(), Meter()
+            train(model, optimizer, next_replay, args.warmup, sync, None)
+            train(model, optimizer, next_synthetic, args.warmup, sync, None)
+            for r in range(ROUNDS):
+                steps = args.steps // ROUNDS + (r < args.steps % ROUNDS)
+                train(model, optimizer, next_replay, steps, sync, replay)
+                train(model, optimizer, next_synthetic, steps, sync, synthetic)
             plane = dataset.plane
 
-        # Synthetic: batches of the same shapes already in device memory (no input pipeline at all).
-        pool = []
-        for _ in range(4):
-            obs = torch.randn(args.batch, args.context, args.obs_dim, device=device)
-            pool.append((obs, torch.rand(args.batch, args.context, args.act_dim, device=device) * 2 - 1,
-                         torch.randn(args.batch, args.context, device=device)))
-        counter = iter(range(1 << 62))
-        synthetic = train(model, optimizer, lambda: pool[next(counter) % len(pool)], args, sync)
-
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-        results.put({"rank": rank, "replay": replay, "synthetic": synthetic, "fields": fetched, "plane": plane,
-                     "batch_bytes": batch_bytes, "checksum": checksum})
+        results.put({"rank": rank, "replay": replay.figures(), "synthetic": synthetic.figures(), "fields": fetched,
+                     "plane": plane, "batch_bytes": batch_bytes, "checksum": checksum})
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -246,12 +261,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, help="ranks (default: every GPU with cuda, 2 on cpu)")
     parser.add_argument("--steps", type=int, default=50, help="measured steps per mode")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps per mode")
-    parser.add_argument("--batch", type=int, help="items per rank per step (default 64 cuda, 16 cpu)")
+    parser.add_argument("--batch", type=int, help="items per rank per step (default 64 cuda, 8 cpu)")
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--context", type=int, default=64, help="K: steps per item and per model input")
     parser.add_argument("--obs-dim", type=int, default=1024)
     parser.add_argument("--act-dim", type=int, default=16)
-    parser.add_argument("--d-model", type=int, help="default 512 cuda, 128 cpu")
+    parser.add_argument("--d-model", type=int, help="default 512 cuda, 64 cpu")
     parser.add_argument("--layers", type=int, help="default 6 cuda, 2 cpu")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--table-size", type=int, default=2048, help="items the table keeps (FIFO)")
@@ -266,8 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.world_size = torch.cuda.device_count()
         else:
             args.world_size = 2
-    args.batch = args.batch or (64 if cuda else 16)
-    args.d_model = args.d_model or (512 if cuda else 128)
+    args.batch = args.batch or (64 if cuda else 8)
+    args.d_model = args.d_model or (512 if cuda else 64)
     args.layers = args.layers or (6 if cuda else 2)
     for name in ("world_size", "steps", "batch", "actors", "context", "obs_dim", "act_dim", "heads", "timeout"):
         if getattr(args, name) < 1:
@@ -317,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(whole items {args.batch * item_bytes / 1024:.0f} KiB)")
     print(f"replay:    {replay['steps_per_s']:8.2f} steps/s, loss {replay['loss'][0]:.4f} -> {replay['loss'][1]:.4f}, "
           f"waited on replay {100 * max(waits):.1f}% of step time (max over ranks; mean {100 * np.mean(waits):.1f}%)")
-    print(f"synthetic: {synthetic['steps_per_s']:8.2f} steps/s (batches already in {args.device} memory)")
+    print(f"synthetic: {synthetic['steps_per_s']:8.2f} steps/s (4 batches kept in {args.device} memory; "
+          f"loss {synthetic['loss'][0]:.4f} -> {synthetic['loss'][1]:.4f})")
     print(f"replay runs at {replay['steps_per_s'] / synthetic['steps_per_s']:.2f} of synthetic; goal: replay wait "
           f"<= {100 * WAIT_GOAL:.0f}% of step time: {'met' if max(waits) <= WAIT_GOAL else 'NOT met'}")
     print(f"parameters identical on all {args.world_size} ranks")
