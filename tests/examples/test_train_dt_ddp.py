@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,33 @@ def test_bad_options_are_refused_before_anything_starts(args, message):
     result, left = run_example(args, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "daemon on" not in result.stdout and left == []
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed here (make test-frameworks runs this test)")
+def test_a_daemon_that_dies_during_the_run_ends_it_with_an_error_and_nothing_left_running():
+    args = [*TINY[:TINY.index("--steps")], "--steps", "100000", *TINY[TINY.index("--steps") + 2:]]
+    # Clients give up on a daemon that is away after GEAR_CONNECT_TIMEOUT seconds (30 unless told).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", GEAR_CONNECT_TIMEOUT="5")
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("table holds"):
+                break
+        time.sleep(3)  # the actors are writing, the ranks starting
+        daemons = [int(m.split()[0]) for m in session_members(proc.pid) if "gear_server" in m]
+        assert len(daemons) == 1, "".join(lines)
+        os.kill(daemons[0], 9)
+        out = "".join(lines) + proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    left = session_members(proc.pid)
+    assert proc.returncode == 1, out
+    assert re.search(r"RuntimeError: learner rank failed: rank \d \(exit code 1\)", out), out
+    assert left == [], f"processes left behind: {left}"
