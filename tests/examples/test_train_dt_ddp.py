@@ -33,13 +33,22 @@ def run_example(args: list[str], timeout: float) -> tuple[subprocess.CompletedPr
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.communicate()
-    left = session_members(proc.pid)
-    for pid in left:  # never leave them running past the test, whatever it asserts
+    left = left_behind(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), left
+
+
+def left_behind(sid: int, grace: float = 10.0) -> list[str]:
+    """Processes of session ``sid`` still alive ``grace`` seconds after its leader exited (those exiting on their
+    own, as multiprocessing's resource tracker once its parent is gone, get that long); killed before returning."""
+    deadline = time.monotonic() + grace
+    while (members := session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for member in members:  # never leave them running past the test, whatever it asserts
         try:
-            os.kill(int(pid.split()[0]), 9)
+            os.kill(int(member.split()[0]), 9)
         except ProcessLookupError:
             pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), left
+    return members
 
 
 def session_members(sid: int) -> list[str]:
@@ -115,7 +124,7 @@ def test_a_daemon_that_dies_during_the_run_ends_it_with_an_error_and_nothing_lef
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.communicate()
-    left = session_members(proc.pid)
+    left = left_behind(proc.pid)
     assert proc.returncode == 1, out
     assert re.search(r"RuntimeError: learner rank failed: rank \d \(exit code 1\)", out), out
     assert left == [], f"processes left behind: {left}"
