@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off unless the caller chose otherwise
     item_bytes = args.context * (args.obs_dim + args.act_dim + 2) * 4
     table = reverb.Table(TABLE, sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
-                         max_size=args.table_size, rate_limiter=reverb.rate_limiters.MinSize(args.world_size * args.batch))
+                         max_size=args.table_size,
+                         rate_limiter=reverb.rate_limiters.MinSize(args.world_size * args.batch))
     server = reverb.Server([table], port=None)
     address = f"localhost:{server.port}"
     ctx = mp.get_context("spawn")
