@@ -274,13 +274,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=600, help="seconds before the run gives up")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    if args.world_size is None:
-        if cuda:
-            import torch
+    if cuda:
+        import torch
 
-            args.world_size = torch.cuda.device_count()
-        else:
-            args.world_size = 2
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            parser.error("--device cuda: torch sees no GPU")
+        args.world_size = gpus if args.world_size is None else args.world_size
+        if args.world_size > gpus:
+            parser.error(f"--world-size {args.world_size}: one rank per GPU, and torch sees {gpus}")
+    args.world_size = 2 if args.world_size is None else args.world_size
     args.batch = args.batch or (64 if cuda else 8)
     args.d_model = args.d_model or (512 if cuda else 64)
     args.layers = args.layers or (6 if cuda else 2)
