@@ -115,6 +115,16 @@ bench-scale-gpu:
 demo: install
 	$(VPY) examples/demo.py
 
+# A decision transformer trained with DDP on replay (examples/train_dt_ddp.py): CPU ranks over gloo in
+# .venv-frameworks (torch's CPU build); on a GPU machine one rank per GPU over NCCL, from the source tree.
+DDP_ARGS ?=
+.PHONY: example-ddp example-ddp-gpu
+example-ddp: $(FRAMEWORKS_VENV)/.installed
+	$(FRAMEWORKS_VENV)/bin/python examples/train_dt_ddp.py $(DDP_ARGS)
+
+example-ddp-gpu:
+	NCCL_NVLS_ENABLE=0 $(GPU_ENV) $(PYTHON) examples/train_dt_ddp.py --device cuda $(DDP_ARGS)
+
 bench: install
 	$(VPY) bench/bench_core.py
 
