@@ -287,15 +287,19 @@ def start_daemon(host: str, num_items: int):
     """A daemon on ``host`` with table "t" (Uniform, ``num_items`` items of 256.8 KiB), in this process."""
     from gear_contract import nest
     from gear_contract._proto import replay_pb2 as pb
+    from gear_server.config import DaemonSettings
     from gear_server.daemon import Daemon
+    from gear_server.ops.auth import AuthSettings
     from gear_server.table.table import ItemToInsert
 
     limiter = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=-sys.float_info.max,
                                     max_diff=sys.float_info.max)
     table = pb.TableConfig(name="t", max_size=num_items, sampler=pb.SelectorOptions(uniform=True),
                            remover=pb.SelectorOptions(fifo=True), rate_limiter=limiter)
-    daemon = Daemon(pb.ServerConfig(port=0, bind_address=host, instance_name=f"benchremote{os.getpid()}",
-                                    tables=[table]))
+    settings = DaemonSettings.from_server_config(
+        pb.ServerConfig(port=0, bind_address=host, instance_name=f"benchremote{os.getpid()}", tables=[table]))
+    settings.auth = AuthSettings(allow_insecure=True)  # a link between this host's own namespaces, no credentials
+    daemon = Daemon(settings)
     daemon.start()
     structure = nest.structure_of({"obs": 0, "action": 0, "reward": 0})
     rng = np.random.default_rng(1)

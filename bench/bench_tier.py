@@ -71,7 +71,7 @@ rate_limiter = {{ min_size = 1 }}
 """
         if mirror:
             tables += f"gpu_mirror = {{ device = 0, bytes = {budget}{backend} }}\n"
-    return f'instance_name = "tier{uuid.uuid4().hex[:8]}"\nport = 0\n' + tables
+    return f'instance_name = "tier{uuid.uuid4().hex[:8]}"\nbind_address = "127.0.0.1"\nport = 0\n' + tables
 
 
 class Daemon:
