@@ -38,25 +38,7 @@ from gear_client.tf.specs import to_tf_signature
 from gear_contract import nest, specs
 
 __all__ = ["TrajectoryDataset", "TimestepDataset", "ReplayDataset", "GeneratedDataset", "sample_info_specs",
-           "table_signature", "tf_dtype_name", "tf_shape_text"]
-
-# TensorFlow's C++ names of dtypes (Reverb's error messages use them); the others are the Python names.
-_CC_DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
-
-
-def tf_dtype_name(dtype: Any) -> str:
-    """The dtype as TensorFlow's kernels name it in errors (float, double, int64...)."""
-    name = tf.as_dtype(dtype).name
-    return _CC_DTYPE_NAMES.get(name, name)
-
-
-def tf_shape_text(shape: Any) -> str:
-    """A shape as TensorFlow's kernels print it: ``[3,3]``, ``[?,3]``, ``<unknown>``."""
-    shape = tf.TensorShape(shape)
-    if shape.rank is None:
-        return "<unknown>"
-    return "[" + ",".join("?" if d is None else str(d) for d in shape.as_list()) + "]"
-
+           "table_signature"]
 
 def _as_text(value: Any, what: str) -> str:
     """A Python string from a str, bytes or a constant string tensor (Reverb's datasets take either)."""
@@ -164,8 +146,8 @@ class _ItemSource:
             if tf.as_dtype(have.dtype) != want.dtype or not want.shape.is_compatible_with(have_shape):
                 raise ValueError(
                     f"Requested incompatible tensor at flattened index {i} from table '{self.table}'.  Requested "
-                    f"(dtype, shape): ({tf_dtype_name(want.dtype)}, {tf_shape_text(want.shape)}).  Signature "
-                    f"(dtype, shape): ({tf_dtype_name(have.dtype)}, {tf_shape_text(have_shape)})")
+                    f"(dtype, shape): {_dtype_and_shape(want.dtype, want.shape)}.  Signature "
+                    f"(dtype, shape): {_dtype_and_shape(have.dtype, have_shape)}")
 
     def batches(self) -> Iterator[SampledBatch]:
         """The Python dataset's batches, each checked to hold as many leaves as the specs."""
@@ -189,9 +171,13 @@ class _ItemSource:
 
 def _mismatch(spec: tf.TensorSpec, dtype: Any, shape: Any, table: str, what: str) -> ValueError:
     """Reverb's error for a tensor that does not fit the dataset's spec, with where it came from."""
-    return ValueError(f"Specification has (dtype, shape): ({tf_dtype_name(spec.dtype)}, {tf_shape_text(spec.shape)}).  "
-                      f"Tensor has (dtype, shape): ({tf_dtype_name(dtype)}, {tf_shape_text(shape)}). (table {table!r}, "
-                      f"{what})")
+    return ValueError(f"Specification has (dtype, shape): {_dtype_and_shape(spec.dtype, spec.shape)}.  Tensor has "
+                      f"(dtype, shape): {_dtype_and_shape(dtype, shape)}. (table {table!r}, {what})")
+
+
+def _dtype_and_shape(dtype: Any, shape: Any) -> str:
+    """``(float, [3,3])``: a tensor's dtype and shape as Reverb's errors print them."""
+    return f"({specs.kernel_dtype_name(dtype)}, {specs.kernel_shape_text(shape)})"
 
 
 def _check_leaf(spec: tf.TensorSpec, value: np.ndarray, table: str, what: str, steps: bool = False) -> np.ndarray:

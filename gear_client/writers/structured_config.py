@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gear_client.tf import as_program_specs
 from gear_contract import nest
 from gear_contract.specs import TensorSpec, to_tensor_spec
 
@@ -308,7 +309,14 @@ def unpack_pattern(config: Config) -> Pattern:
 
 
 def infer_signature(configs: Sequence[Config], step_spec: Any) -> Any:
-    """The table signature of the items ``configs`` produce from steps like ``step_spec``."""
+    """The table signature of the items ``configs`` produce from steps like ``step_spec``.
+
+    Its leaves are tf.TensorSpecs where the program uses TensorFlow (as Reverb's), else gear's TensorSpecs.
+
+    Raises:
+      ValueError: no configs, configs of different pattern structures or tables, or configs whose items
+        would differ in dtype or in shape (other than the leading dimension) at some path.
+    """
     if not configs:
         raise ValueError("At least one config must be provided.")
     if any(c.pattern_structure != configs[0].pattern_structure for c in configs):
@@ -338,8 +346,8 @@ def infer_signature(configs: Sequence[Config], step_spec: Any) -> Any:
         merged = shapes[0] if all(s == shapes[0] for s in shapes) else (None, *shapes[0][1:])
         specs.append(TensorSpec(merged, dtypes[0], "/".join(str(x) for x in path)))
     if configs[0].pattern_structure is None:
-        return specs
-    return nest.unflatten(configs[0].pattern_structure, specs)
+        return as_program_specs(specs)
+    return as_program_specs(nest.unflatten(configs[0].pattern_structure, specs))
 
 
 class _ConditionBuilder:
