@@ -29,6 +29,7 @@ from gear_client.writers.structured_config import (
     create_config,
     create_reference_step,
     infer_signature,
+    items_to_create,
     pattern_from_transform,
     td_error,
     unpack_pattern,
@@ -166,30 +167,11 @@ class StructuredWriter:
     def _apply(self, end_of_episode: bool) -> None:
         if self._step_index < 0:
             return
-        history = self._writer.history
-        for config, state in zip(self._configs, self._states, strict=True):
-            state.end_of_episode = end_of_episode
-            if end_of_episode and not any(c.is_end_episode for c in config.conditions):
-                continue  # at the end of an episode only configs conditioned on it apply
-            if not all(c.holds(state, self._last_flat) for c in config.conditions):
-                continue
-            columns = []
-            for node in config.flat:
-                column_history = history[node.flat_source_index]
-                if node.history_needed() > len(column_history):
-                    break
-                try:
-                    if node.is_slice:
-                        columns.append(column_history[node.start:node.stop:node.step])
-                    else:
-                        columns.append(column_history[node.stop])
-                except ValueError:  # a referenced step has no value for this field
-                    break
-            else:
-                trajectory = (nest.unflatten(config.pattern_structure, columns)
-                              if config.pattern_structure is not None else columns)
-                self._writer.create_item(config.table, config.priority.of(config.flat, columns), trajectory)
-                state.steps_since_applied = 0
+        for config, columns in items_to_create(self._configs, self._states, self._writer.history, self._last_flat,
+                                               end_of_episode):
+            trajectory = (nest.unflatten(config.pattern_structure, columns)
+                          if config.pattern_structure is not None else columns)
+            self._writer.create_item(config.table, config.priority.of(config.flat, columns), trajectory)
 
     def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
         """Block until all but ``block_until_num_items`` items are confirmed by the server.
