@@ -35,6 +35,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,6 +103,7 @@ class _Failure:
 
 # What the producer hands over: a batch, a failure, or None at the end.
 _Entry = SampledBatch | _Failure | None
+_NOT_YET = object()  # _next_batch's answer when its poll time passed without a batch
 
 
 def _rebuild(cls: type, args: tuple, kwargs: dict) -> TrajectoryDataset:
@@ -352,33 +354,45 @@ class TrajectoryDataset(_BASE, metaclass=_DatasetType):
         return batch
 
     # ---------------------------------------------------------------- consumer
-    def batches(self) -> Iterator[SampledBatch]:
+    def batches(self, poll_s: float | None = None) -> Iterator[SampledBatch | None]:
         """The batches with everything: info arrays, padded columns and valid lengths.
+
+        ``poll_s``: yield None whenever no batch came within that many seconds, then go on waiting when
+        resumed (a caller that must not block for long, as a tf.data generator, which holds one of
+        TensorFlow's few threads while it waits).
 
         Raises:
           ConnectError, RuntimeError, ValueError: as iterating the dataset does.
         """
         while True:
-            batch = self._next_batch()
+            batch = self._next_batch(poll_s)
+            if batch is _NOT_YET:
+                yield None
+                continue
             if batch is None:
                 return
             yield batch
 
-    def _next_batch(self) -> SampledBatch | None:
+    def _next_batch(self, poll_s: float | None = None) -> Any:
+        """The next batch; None at the end; _NOT_YET when ``poll_s`` passed first (still asked for)."""
         if self._done:
             return None
         self._ensure_started()
         if not self._asked:  # one request per batch wanted (tables selected on demand wait for it)
             self._demand.release()
             self._asked = True
+        deadline = None if poll_s is None else time.monotonic() + poll_s
         while True:
+            wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                entry = self._queue.get(timeout=_POLL_S)
+                entry = self._queue.get(timeout=wait)
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     self._done = True
                     return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return _NOT_YET
         self._asked = False
         if entry is None:
             self._done = True

@@ -101,6 +101,10 @@ def _lists_as_tuples(spec: Any) -> Any:
     return type(spec)(*children) if nest.is_namedtuple(spec) else tuple(children)
 
 
+# Seconds a generator waits for items before it hands tf.data an empty element (see _from_generator).
+POLL_S = 0.1
+
+
 class _ItemSource:
     """The table's items over gear's Python dataset: one at a time, or in batches where the table allows.
 
@@ -149,13 +153,17 @@ class _ItemSource:
                     f"(dtype, shape): {_dtype_and_shape(want.dtype, want.shape)}.  Signature "
                     f"(dtype, shape): {_dtype_and_shape(have.dtype, have_shape)}")
 
-    def batches(self) -> Iterator[SampledBatch]:
-        """The Python dataset's batches, each checked to hold as many leaves as the specs."""
+    def batches(self) -> Iterator[SampledBatch | None]:
+        """The Python dataset's batches, each checked to hold as many leaves as the specs; None every POLL_S
+        seconds without one (the generator then hands tf.data an empty element and gets its thread back)."""
         dataset = python_datasets.TrajectoryDataset(
             self.server_address, self.table, batch_size=self._batch_size(), prefetch=2,
             rate_limiter_timeout_ms=self.rate_limiter_timeout_ms, max_samples=self.max_samples)
         try:
-            for batch in dataset.batches():
+            for batch in dataset.batches(poll_s=POLL_S):
+                if batch is None:
+                    yield None
+                    continue
                 if len(batch.columns) != len(self.flat_specs):
                     raise ValueError(f"table {self.table!r}: its items have {len(batch.columns)} leaves but the "
                                      f"dataset's specs have {len(self.flat_specs)}")
@@ -163,8 +171,12 @@ class _ItemSource:
         finally:
             dataset.close()
 
-    def items(self) -> Iterator[tuple[SampleInfo, list[np.ndarray]]]:
+    def items(self) -> Iterator[tuple[SampleInfo, list[np.ndarray]] | None]:
+        """The items one by one; None where ``batches`` gave None."""
         for batch in self.batches():
+            if batch is None:
+                yield None
+                continue
             for i, info in enumerate(batch.item_infos()):
                 yield info, [np.asarray(leaf) for leaf in batch.item_columns(i)]
 
@@ -193,15 +205,23 @@ def _check_leaf(spec: tf.TensorSpec, value: np.ndarray, table: str, what: str, s
 
 
 def _from_generator(generate, element_spec: Any) -> tf.data.Dataset:
-    """The generator as a tf.data.Dataset, without the prefetch tf.data injects by default.
+    """The generator of outer-dimension elements as a tf.data.Dataset of their rows (``unbatch``).
 
-    With that injected prefetch, ``next(iter(dataset))`` on a queue holding one
-    item waited for a second item before it handed over the first (seen with
-    TensorFlow 2.21, about one run in two); gear's dataset prefetches already.
+    Each generator element stacks rows (items, or an item's steps) on a leading
+    dimension; while nothing comes it hands over an element of zero rows every
+    POLL_S seconds. A generator that waited inside its call would hold one of
+    tf.data's threads: with several readers on a table of limited samples
+    (``max_times_sampled``, a queue), readers waiting for samples that will
+    never come kept the rows other readers had already taken from reaching the
+    batch (TF-Agents' ``as_dataset(num_parallel_calls=3)`` stopped one batch
+    short). Without the prefetch tf.data injects by default: with it,
+    ``next(iter(dataset))`` on a queue holding one item waited for a second
+    item before it handed over the first; gear's dataset prefetches already.
     """
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False
-    return tf.data.Dataset.from_generator(generate, output_signature=element_spec).with_options(options)
+    outer = nest.map_structure(_outer, element_spec)
+    return tf.data.Dataset.from_generator(generate, output_signature=outer).with_options(options).unbatch()
 
 
 def _outer(spec: tf.TensorSpec) -> tf.TensorSpec:
@@ -210,32 +230,51 @@ def _outer(spec: tf.TensorSpec) -> tf.TensorSpec:
     return tf.TensorSpec(shape, spec.dtype, spec.name)
 
 
+def _no_rows(element_spec: Any) -> Any:
+    """An element of zero rows for ``element_spec`` (one row's specs): what a generator yields while waiting."""
+    def empty(spec: tf.TensorSpec) -> np.ndarray:
+        dims = [0] if spec.shape.rank is None else [0, *(d or 0 for d in spec.shape.as_list())]
+        return np.zeros(dims, spec.dtype.as_numpy_dtype)
+
+    return nest.map_structure(empty, element_spec)
+
+
 def _trajectories(source: _ItemSource, sequence_length: int | None = None) -> tf.data.Dataset:
     element_spec = ReplaySample(sample_info_specs(), source.data_spec)
     if sequence_length is None and all(spec.shape.is_fully_defined() for spec in source.flat_specs):
         return _whole_batches(source, element_spec)
+    waiting = _no_rows(element_spec)
 
     def generate() -> Iterator[ReplaySample]:
-        for info, leaves in source.items():
+        for item in source.items():
+            if item is None:
+                yield waiting
+                continue
+            info, leaves = item
             if sequence_length is not None:
                 for leaf in leaves:
                     if leaf.ndim == 0 or leaf.shape[0] != sequence_length:
                         raise ValueError(f"table {source.table!r}: item {info.key} has "
                                          f"{leaf.shape[0] if leaf.ndim else 'no'} steps, sequence_length is "
                                          f"{sequence_length}")
-            data = [_check_leaf(s, v, source.table, f"item {info.key}") for s, v in zip(source.flat_specs, leaves,
-                                                                                       strict=True)]
-            yield ReplaySample(info, nest.pack_as(source.data_spec, data))
+            data = [_check_leaf(s, v, source.table, f"item {info.key}")[np.newaxis]
+                    for s, v in zip(source.flat_specs, leaves, strict=True)]
+            infos = SampleInfo(*(np.asarray([v], spec.dtype.as_numpy_dtype)
+                                 for v, spec in zip(info, element_spec.info, strict=True)))
+            yield ReplaySample(infos, nest.pack_as(source.data_spec, data))
 
     return _from_generator(generate, element_spec)
 
 
 def _whole_batches(source: _ItemSource, element_spec: ReplaySample) -> tf.data.Dataset:
     """Items of fully defined shapes: one generator element per fetched batch, split into items by unbatch()."""
-    batched_spec = nest.map_structure(_outer, element_spec)
+    waiting = _no_rows(element_spec)
 
     def generate() -> Iterator[ReplaySample]:
         for batch in source.batches():
+            if batch is None:
+                yield waiting
+                continue
             columns = []
             for c, (spec, column) in enumerate(zip(source.flat_specs, batch.columns, strict=True)):
                 column = np.asarray(column)
@@ -247,15 +286,20 @@ def _whole_batches(source: _ItemSource, element_spec: ReplaySample) -> tf.data.D
                 columns.append(_check_leaf(_outer(spec), column, source.table, f"leaf {c}"))
             yield ReplaySample(batch.info, nest.pack_as(source.data_spec, columns))
 
-    return _from_generator(generate, batched_spec).unbatch()
+    return _from_generator(generate, element_spec)
 
 
 def _timesteps(source: _ItemSource) -> tf.data.Dataset:
     """One generator element per item (its steps, the info repeated), split into steps by unbatch()."""
-    stepped_spec = nest.map_structure(_outer, ReplaySample(sample_info_specs(), source.data_spec))
+    step_spec = ReplaySample(sample_info_specs(), source.data_spec)
+    waiting = _no_rows(step_spec)
 
     def generate() -> Iterator[ReplaySample]:
-        for info, leaves in source.items():
+        for item in source.items():
+            if item is None:
+                yield waiting
+                continue
+            info, leaves = item
             lengths = {leaf.shape[0] for leaf in leaves if leaf.ndim > 0}
             if len(lengths) != 1:
                 raise ValueError(f"table {source.table!r}: item {info.key} has columns of lengths {sorted(lengths)}; "
@@ -264,10 +308,10 @@ def _timesteps(source: _ItemSource) -> tf.data.Dataset:
             data = [_check_leaf(s, v, source.table, f"item {info.key}", steps=True)
                     for s, v in zip(source.flat_specs, leaves, strict=True)]
             infos = SampleInfo(*(np.full(steps, v, spec.dtype.as_numpy_dtype)
-                                 for v, spec in zip(info, stepped_spec.info, strict=True)))
+                                 for v, spec in zip(info, step_spec.info, strict=True)))
             yield ReplaySample(infos, nest.pack_as(source.data_spec, data))
 
-    return _from_generator(generate, stepped_spec).unbatch()
+    return _from_generator(generate, step_spec)
 
 
 class GeneratedDataset(tf.compat.v1.data.Dataset):
