@@ -119,8 +119,33 @@ print("done", flush=True)
 """
 
 
+LIMITED_READERS = r"""
+import numpy as np
+import tensorflow as tf
+import reverb
+from tf_agents.replay_buffers import reverb_replay_buffer
+
+server = reverb.Server([reverb.Table("t", sampler=reverb.selectors.Prioritized(1.0), remover=reverb.selectors.Fifo(),
+                                     max_size=3, max_times_sampled=10, rate_limiter=reverb.rate_limiters.MinSize(1))])
+client = reverb.Client(f"localhost:{server.port}")
+for priority in (0.0, 1.0, 2.0):
+    client.insert(np.float32(priority), {"t": priority})
+replay = reverb_replay_buffer.ReverbReplayBuffer(tf.TensorSpec([], tf.float32), table_name="t",
+                                                 sequence_length=None, local_server=server)
+iterator = iter(replay.as_dataset(sample_batch_size=3, num_parallel_calls=3))
+counts = {}
+for _ in range(10):  # 30 samples: every item's budget
+    _, info = next(iterator)
+    for key in info.key.numpy().ravel().tolist():
+        counts[key] = counts.get(key, 0) + 1
+assert sorted(counts.values()) == [10, 10, 10], counts
+assert client.server_info()["t"].current_size == 0
+print("ten batches", flush=True)
+"""
+
+
 def _run(script: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "alias" / "reverb"), str(ROOT)])}
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path)
@@ -129,6 +154,13 @@ def _run(script: str, tmp_path: Path, timeout: float) -> subprocess.CompletedPro
 def test_reverb_dataset_and_structured_writer_modules(tmp_path):
     run = _run(DATASET_MODULES, tmp_path, timeout=240)
     assert run.returncode == 0 and "reverb modules ran on gear" in run.stdout, run.stderr[-4000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tf_agents") is None, reason="tf_agents is not installed")
+def test_tf_agents_readers_of_a_max_times_sampled_table_get_every_sample(tmp_path):
+    """Three parallel readers, batches of 3: ten batches, each item sampled exactly its 10 times (as Reverb)."""
+    run = _run(LIMITED_READERS, tmp_path, timeout=240)
+    assert run.returncode == 0 and "ten batches" in run.stdout, run.stderr[-4000:]
 
 
 def test_a_process_with_tf_datasets_still_reading_exits(tmp_path):
