@@ -40,8 +40,11 @@ from gear_contract import nest, specs
 __all__ = ["TrajectoryDataset", "TimestepDataset", "ReplayDataset", "GeneratedDataset", "sample_info_specs",
            "table_signature"]
 
-def _as_text(value: Any, what: str) -> str:
-    """A Python string from a str, bytes or a constant string tensor (Reverb's datasets take either)."""
+def _as_text(value: Any, what: str) -> Any:
+    """A Python string from a str, bytes or a constant string tensor (Reverb's datasets take either); a list
+    of them stays a list (several daemons' addresses: one table over shards, docs/SHARDING.md)."""
+    if isinstance(value, (list, tuple)):
+        return [_as_text(v, what) for v in value]
     if isinstance(value, str):
         return value
     if isinstance(value, bytes):
@@ -117,7 +120,7 @@ class _ItemSource:
     """
 
     def __init__(self, server_address: str, table: str, data_spec: Any, *, rate_limiter_timeout_ms: int,
-                 max_samples: int, max_in_flight: int):
+                 max_samples: int, max_in_flight: int, per_step: bool = False):
         self.server_address = server_address
         self.table = table
         self.data_spec = _lists_as_tuples(data_spec)
@@ -125,6 +128,7 @@ class _ItemSource:
         self.rate_limiter_timeout_ms = int(rate_limiter_timeout_ms)
         self.max_samples = int(max_samples)
         self.max_in_flight = max(1, int(max_in_flight))
+        self.per_step = per_step  # the specs are of one step of each item (timestep datasets)
 
     def _batch_size(self) -> int:
         """Items per fetch: ``max_in_flight`` where the table may be read ahead, else 1 (after the signature check)."""
@@ -147,7 +151,12 @@ class _ItemSource:
                              f"{len(self.flat_specs)} tensors, but table signature shows {len(signature)} tensors.")
         for i, (want, have) in enumerate(zip(self.flat_specs, signature, strict=True)):
             have_shape = tf.TensorShape(list(have.shape))
-            if tf.as_dtype(have.dtype) != want.dtype or not want.shape.is_compatible_with(have_shape):
+            # A timestep dataset's step spec fits a step signature (Reverb's), or a trajectory signature of a
+            # fixed number of steps with that leading dimension dropped.
+            fits = want.shape.is_compatible_with(have_shape) or (
+                self.per_step and have_shape.rank and have_shape[0] is not None
+                and want.shape.is_compatible_with(have_shape[1:]))
+            if tf.as_dtype(have.dtype) != want.dtype or not fits:
                 raise ValueError(
                     f"Requested incompatible tensor at flattened index {i} from table '{self.table}'.  Requested "
                     f"(dtype, shape): {_dtype_and_shape(want.dtype, want.shape)}.  Signature "
@@ -358,8 +367,11 @@ class TrajectoryDataset(GeneratedDataset):
                       rate_limiter_timeout_ms, max_samples)
         source = _ItemSource(_as_text(server_address, "server_address"), _as_text(table, "table"),
                              _specs_from(dtypes, shapes), rate_limiter_timeout_ms=rate_limiter_timeout_ms,
-                             max_samples=max_samples, max_in_flight=max_in_flight_samples_per_worker)
+                             max_samples=max_samples, max_in_flight=max_in_flight_samples_per_worker,
+                             per_step=self._per_step)
         super().__init__(self._build(source))
+
+    _per_step = False  # whether the specs are of one step (TimestepDataset)
 
     @staticmethod
     def _build(source: _ItemSource) -> tf.data.Dataset:
@@ -386,6 +398,8 @@ class TrajectoryDataset(GeneratedDataset):
 
 class TimestepDataset(TrajectoryDataset):
     """Reverb's ``reverb.TimestepDataset``: one element per step of each item, shaped as ``shapes`` (one step)."""
+
+    _per_step = True
 
     @staticmethod
     def _build(source: _ItemSource) -> tf.data.Dataset:
@@ -415,7 +429,7 @@ class ReplayDataset:
                                      f"({sequence_length}); got {spec.shape}")
         source = _ItemSource(_as_text(server_address, "server_address"), _as_text(table, "table"), data_spec,
                              rate_limiter_timeout_ms=rate_limiter_timeout_ms, max_samples=max_samples,
-                             max_in_flight=max_in_flight_samples_per_worker)
+                             max_in_flight=max_in_flight_samples_per_worker, per_step=emit_timesteps)
         return GeneratedDataset(_timesteps(source) if emit_timesteps else _trajectories(source, sequence_length))
 
     @classmethod
