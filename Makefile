@@ -14,7 +14,7 @@ CUBINS := $(patsubst gear_kernels/%.cu,.build/cubin/%.cubin,$(CU_SOURCES))
 GPU_SITE ?= /tmp/site
 GPU_ENV := PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1
 
-.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-nixl bench-nixl test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu bench-remote
+.PHONY: gpu-wheels bench-connect bench-streams install test test-frameworks test-tf test-nixl bench-nixl test-gpu demo bench bench-gpu bench-planes bench-planes-gpu bench-shards bench-shards-gpu bench-reverb bench-wire serve proto proto-check lint kernels-build clean install-service bench-scale bench-scale-gpu bench-ranks bench-tier-gpu bench-remote test-tf-published
 
 install: $(STAMP)
 
@@ -213,6 +213,28 @@ test-nixl: $(NIXL_VENV)/.installed
 # The nixl plane's learner against the TCP ceiling of the same link (veth pair and loopback).
 bench-nixl: $(NIXL_VENV)/.installed
 	$(NIXL_VENV)/bin/python bench/bench_nixl.py
+
+# Reverb's and TF-Agents' own published tests, unchanged, against gear through the reverb alias
+# (tests/client/tf/published_tests.py: eager off where a file's __main__ turns it off; the tests that
+# check what docs/REVERB_COMPAT.md lists as different are skipped by name, with the reason). TF-Agents'
+# come in its wheel (installed in .venv-tf). dm-reverb publishes wheels without tests and no sdist, so
+# Reverb's run only from a checkout of github.com/google-deepmind/reverb: REVERB_SRC=/path/to/reverb.
+# Each file runs in its own pytest process (graph-mode and eager files cannot share one).
+PUBLISHED := .build/published-tests
+TFA_TESTS := replay_buffers/reverb_replay_buffer_test.py replay_buffers/reverb_utils_test.py
+REVERB_TESTS := trajectory_dataset_test.py timestep_dataset_test.py trajectory_dataset_eager_test.py \
+	timestep_dataset_eager_test.py pattern_dataset_test.py structured_writer_test.py
+REVERB_SRC ?=
+test-tf-published: $(TF_VENV)/.installed
+	rm -rf $(PUBLISHED) && mkdir -p $(PUBLISHED)/tf_agents $(PUBLISHED)/reverb
+	site=$$($(TF_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+		for f in $(TFA_TESTS); do cp "$$site/tf_agents/$$f" $(PUBLISHED)/tf_agents/; done
+	@if [ -n "$(REVERB_SRC)" ]; then for f in $(REVERB_TESTS); do cp "$(REVERB_SRC)/reverb/$$f" $(PUBLISHED)/reverb/; done; \
+		else echo "REVERB_SRC not set: Reverb's own tests are not run (dm-reverb ships none on PyPI)"; fi
+	status=0; for f in $(PUBLISHED)/*/*_test.py; do \
+		PYTHONPATH=tests/client/tf $(TF_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -p published_tests \
+			--rootdir=$(CURDIR) -c pyproject.toml --timeout 120 -o timeout_method=thread "$$f" || status=1; \
+	done; exit $$status
 
 serve: install
 	$(VENV)/bin/gear-server --config deploy/gear-server.example.toml

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "ReplayDataset": ("gear_client.tf.datasets", "ReplayDataset"),
     "TFClient": ("gear_client.tf.client", "TFClient"),
     "tf_datasets": ("gear_client.tf.datasets", None),
+    "PatternDataset": ("gear_client.tf.pattern_dataset", "PatternDataset"),
     "ReverbError": ("gear_client.errors", "ReverbError"),
     "DeadlineExceededError": ("gear_client.errors", "DeadlineExceededError"),
     "selectors": ("gear_contract.selectors", None),
@@ -46,6 +47,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
 _OPTIONAL_DEPENDENCIES: dict[str, str] = {
     "gear_client.tf.datasets": "tensorflow",
     "gear_client.tf.client": "tensorflow",
+    "gear_client.tf.pattern_dataset": "tensorflow",
 }
 
 
@@ -78,7 +80,24 @@ REVERB_MODULES: dict[str, str] = {
     "timestep_dataset": "gear_client.datasets",
     "tf_client": "gear_client.tf.client",
     "dataset": "gear_client.tf.datasets",
+    "pattern_dataset": "gear_client.tf.pattern_dataset",
 }
+
+# Reverb's dataset modules are TensorFlow ones: where TensorFlow is installed, `from reverb import
+# trajectory_dataset` (the alias) gets these, whose classes are Reverb's tf.data datasets with Reverb's
+# signatures; without it REVERB_MODULES' Python iterators (whose errors name these modules).
+REVERB_TF_MODULES: dict[str, str] = {
+    "trajectory_dataset": "gear_client.tf.datasets",
+    "timestep_dataset": "gear_client.tf.datasets",
+    "pattern_dataset": "gear_client.tf.pattern_dataset",
+}
+
+
+def reverb_module(name: str) -> str | None:
+    """The gear module that implements Reverb's module ``name`` (its tf.data one where TensorFlow is installed)."""
+    if name in REVERB_TF_MODULES and importlib.util.find_spec("tensorflow") is not None:
+        return REVERB_TF_MODULES[name]
+    return REVERB_MODULES.get(name)
 
 # With TensorFlow installed, code that says `import reverb` (the alias) gets Reverb's tf.data datasets
 # under these names; `import gear_client as reverb` keeps the Python iterators (the tf.data ones are
@@ -86,6 +105,7 @@ REVERB_MODULES: dict[str, str] = {
 TF_EXPORTS: dict[str, tuple[str, str]] = {
     "TrajectoryDataset": ("gear_client.tf.datasets", "TrajectoryDataset"),
     "TimestepDataset": ("gear_client.tf.datasets", "TimestepDataset"),
+    "PatternDataset": ("gear_client.tf.pattern_dataset", "PatternDataset"),
 }
 
 

@@ -35,8 +35,11 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from gear_client import errors
 from gear_client.client import Client
@@ -68,6 +71,29 @@ def _iterable_dataset_base() -> type:
     return IterableDataset
 
 
+_BASE = _iterable_dataset_base()
+# Reverb's tf.data dataset arguments, which gear's Python datasets do not take (the error says where those are).
+_REVERB_ONLY = ("dtypes", "shapes", "max_in_flight_samples_per_worker", "num_workers_per_iterator",
+                "max_samples_per_stream", "get_signature_timeout_secs")
+
+
+def _where_reverbs_are(name: str) -> str:
+    return (f"Reverb's tf.data {name}(server_address, table, dtypes, shapes, max_in_flight_samples_per_worker, ...) "
+            f"is gear_client.tf.datasets.{name} (needs TensorFlow), which `import reverb` gives with gear's reverb "
+            "alias installed (alias/reverb)")
+
+
+class _DatasetType(type(_BASE)):
+    """The datasets' class type: Reverb's class attributes (``from_table_signature``) fail with where they are."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name == "from_table_signature":
+            raise AttributeError(
+                f"type object {cls.__name__!r} has no attribute {name!r}: gear_client.{cls.__name__} is gear's Python "
+                f"iterator, built from a batch_size without the table signature. {_where_reverbs_are(cls.__name__)}")
+        raise AttributeError(f"type object {cls.__name__!r} has no attribute {name!r}")
+
+
 class _Failure:
     """An exception of the producer, handed to the consumer."""
 
@@ -77,6 +103,7 @@ class _Failure:
 
 # What the producer hands over: a batch, a failure, or None at the end.
 _Entry = SampledBatch | _Failure | None
+_NOT_YET = object()  # _next_batch's answer when its poll time passed without a batch
 
 
 def _rebuild(cls: type, args: tuple, kwargs: dict) -> TrajectoryDataset:
@@ -86,7 +113,7 @@ def _rebuild(cls: type, args: tuple, kwargs: dict) -> TrajectoryDataset:
     return dataset
 
 
-class TrajectoryDataset(_iterable_dataset_base()):
+class TrajectoryDataset(_BASE, metaclass=_DatasetType):
     """Batches of trajectories from ``table`` (see module docstring).
 
     Iterating yields ``ReplaySample(info, data)`` batches. The iteration raises what the
@@ -95,11 +122,12 @@ class TrajectoryDataset(_iterable_dataset_base()):
     in a table without a signature, which cannot be stacked).
     """
 
-    def __init__(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
-                 device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
-                 rate_limiter_timeout_ms: int = -1, max_samples: int = -1, sampler_options: dict | None = None,
-                 columns: Any = None, rank: int | None = None, world_size: int | None = None,
-                 seed: int | None = None, group_id: str | None = None):
+    def __init__(self, server_address: Any, table: str, batch_size: int | None = None, *reverb_args: Any,
+                 window: WindowSpec = None, device: Any = None, output: str | None = None, prefetch: int = 2,
+                 planes=None, rate_limiter_timeout_ms: int = -1, max_samples: int = -1,
+                 sampler_options: dict | None = None, columns: Any = None, rank: int | None = None,
+                 world_size: int | None = None, seed: int | None = None, group_id: str | None = None,
+                 **reverb_kwargs: Any):
         """Open a session on ``table`` and start prefetching in the background.
 
         Args:
@@ -130,12 +158,36 @@ class TrajectoryDataset(_iterable_dataset_base()):
         Raises:
           ValueError: ``batch_size`` or ``prefetch`` below 1, an unknown ``output`` or plane name, a bad
             rank or world size, or the server address names no port.
+          TypeError: Reverb's tf.data arguments (``dtypes``, ``max_in_flight_samples_per_worker``...): the
+            message names gear_client.tf.datasets, where Reverb's tf.data datasets are.
         """
+        if reverb_args or reverb_kwargs or batch_size is None or not isinstance(batch_size, (int, np.integer)):
+            raise self._call_error(batch_size, reverb_args, reverb_kwargs)
         self._configure(server_address, table, batch_size, window=window, device=device, output=output,
                         prefetch=prefetch, planes=planes, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
                         max_samples=max_samples, sampler_options=sampler_options, columns=columns, rank=rank,
                         world_size=world_size, seed=seed, group_id=group_id)
         self._start()
+
+    @classmethod
+    def _call_error(cls, batch_size: Any, args: tuple, kwargs: dict) -> TypeError:
+        """The TypeError for a call this dataset does not take, saying what it takes and where Reverb's is."""
+        name = cls.__name__
+        if kwargs:
+            given = f"unexpected keyword argument {next(iter(kwargs))!r}"
+        elif args:
+            given = f"takes 3 positional arguments (server_address, table, batch_size) but {3 + len(args)} were given"
+        elif batch_size is None:
+            given = "missing the batch_size argument"
+        else:
+            given = f"batch_size must be an integer, got {type(batch_size).__name__}"
+        reverb_call = any(k in _REVERB_ONLY for k in kwargs) or bool(args) or batch_size is None or not isinstance(
+            batch_size, (int, np.integer))
+        hint = f" {_where_reverbs_are(name)}." if reverb_call else ""
+        return TypeError(f"gear_client.{name}() {given}. gear_client.{name} is gear's Python iterator: {name}("
+                         "server_address, table, batch_size, *, window=None, device=None, output=None, prefetch=2, "
+                         "planes=None, rate_limiter_timeout_ms=-1, max_samples=-1, columns=None, rank=None, "
+                         f"world_size=None, seed=None, group_id=None).{hint}")
 
     def _configure(self, server_address: Any, table: str, batch_size: int, *, window: WindowSpec = None,
                    device: Any = None, output: str | None = None, prefetch: int = 2, planes=None,
@@ -302,33 +354,45 @@ class TrajectoryDataset(_iterable_dataset_base()):
         return batch
 
     # ---------------------------------------------------------------- consumer
-    def batches(self) -> Iterator[SampledBatch]:
+    def batches(self, poll_s: float | None = None) -> Iterator[SampledBatch | None]:
         """The batches with everything: info arrays, padded columns and valid lengths.
+
+        ``poll_s``: yield None whenever no batch came within that many seconds, then go on waiting when
+        resumed (a caller that must not block for long, as a tf.data generator, which holds one of
+        TensorFlow's few threads while it waits).
 
         Raises:
           ConnectError, RuntimeError, ValueError: as iterating the dataset does.
         """
         while True:
-            batch = self._next_batch()
+            batch = self._next_batch(poll_s)
+            if batch is _NOT_YET:
+                yield None
+                continue
             if batch is None:
                 return
             yield batch
 
-    def _next_batch(self) -> SampledBatch | None:
+    def _next_batch(self, poll_s: float | None = None) -> Any:
+        """The next batch; None at the end; _NOT_YET when ``poll_s`` passed first (still asked for)."""
         if self._done:
             return None
         self._ensure_started()
         if not self._asked:  # one request per batch wanted (tables selected on demand wait for it)
             self._demand.release()
             self._asked = True
+        deadline = None if poll_s is None else time.monotonic() + poll_s
         while True:
+            wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                entry = self._queue.get(timeout=_POLL_S)
+                entry = self._queue.get(timeout=wait)
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     self._done = True
                     return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return _NOT_YET
         self._asked = False
         if entry is None:
             self._done = True

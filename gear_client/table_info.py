@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, NamedTuple
 
+from gear_client.tf import as_program_specs
 from gear_contract import specs
 from gear_contract._proto import replay_pb2 as pb
 
@@ -77,9 +77,4 @@ class TableInfo:
 
 def _signature(proto: pb.Signature) -> Any:
     """The signature as a nest of specs: tf.TensorSpec where the program uses TensorFlow (as Reverb's)."""
-    signature = specs.signature_from_proto(proto)
-    if "tensorflow" in sys.modules:
-        from gear_client.tf.specs import to_tf_signature
-
-        return to_tf_signature(signature)
-    return signature
+    return as_program_specs(specs.signature_from_proto(proto))

@@ -29,6 +29,8 @@ __all__ = [
     "signature_from_proto",
     "signature_specs",
     "dtype_to_str",
+    "kernel_dtype_name",
+    "kernel_shape_text",
     "shape_compatible",
     "specs_of",
 ]
@@ -198,3 +200,20 @@ def signature_specs(msg: pb.Signature) -> list[TensorSpec]:
 def specs_of(values: Iterable[Any]) -> list[TensorSpec]:
     """Specs of arrays (or anything numpy can convert)."""
     return [TensorSpec.from_array(v) for v in values]
+
+
+# TensorFlow's C++ names of dtypes, as Reverb's error messages print them (others: NumPy's name).
+_KERNEL_DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
+
+
+def kernel_dtype_name(dtype: Any) -> str:
+    """A dtype as Reverb's errors name it (TensorFlow's kernel names: float, double, int64...)."""
+    name = to_numpy_dtype(dtype).name
+    return _KERNEL_DTYPE_NAMES.get(name, name)
+
+
+def kernel_shape_text(shape: Any) -> str:
+    """A shape as Reverb's errors print it: ``[3,3]``, ``[?,3]``, ``[]``; ``<unknown>`` for an unknown rank."""
+    if shape is None or getattr(shape, "rank", 0) is None:
+        return "<unknown>"
+    return "[" + ",".join("?" if d is None else str(d) for d in to_shape(shape)) + "]"

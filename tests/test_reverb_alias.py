@@ -30,7 +30,8 @@ import importlib
 import gear_client
 import gear_client.writers.structured_writer
 assert reverb.Client is gear_client.Client and sw is gear_client.writers.structured_writer
-for name, module in gear_client.REVERB_MODULES.items():
+for name in gear_client.REVERB_MODULES:
+    module = gear_client.reverb_module(name)
     if not module.startswith("gear_client.tf.") or importlib.util.find_spec("tensorflow") is not None:
         assert importlib.import_module("reverb." + name) is importlib.import_module(module), name
 

@@ -134,11 +134,14 @@ class DaemonChannel:
         self._lane_lock = threading.Lock()
 
     def close(self) -> None:
+        """Close the channel first (cancelling its calls in flight, a lane lookup that holds the lane's lock
+        included), then the lane: never waits on a blocked call."""
+        self._lane_wanted = False
+        self.channel.close()
         with self._lane_lock:
-            lane, self._lane, self._lane_wanted = self._lane, None, False
+            lane, self._lane = self._lane, None
         if lane is not None:
             lane.close()
-        self.channel.close()
 
     # ------------------------------------------------------------------ local lane
     def local_lane(self) -> LocalLane | None:

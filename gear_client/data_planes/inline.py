@@ -13,6 +13,7 @@ import numpy as np
 from gear_client.data_planes.batch import BufferPool, SampledBatch, column_arrays, info_arrays
 from gear_client.data_planes.projection import ColumnChoice
 from gear_client.data_planes.range_planning import BatchLayout, WindowSpec, resolve_windows, window_bounds, window_steps
+from gear_client.data_planes.session import wait_ms
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
 
@@ -134,7 +135,7 @@ class InlinePlane:
 
     def sample(self, num_samples: int, *, window: WindowSpec = None, timeout: float | None = None) -> SampledBatch:
         request = pb.SampleRequest(table=self.table, num_samples=int(num_samples),
-                                   timeout_ms=int(timeout * 1000) if timeout else 0)
+                                   timeout_ms=wait_ms(timeout))
         wanted = None
         if self.columns is not None:
             if self.layout is None:

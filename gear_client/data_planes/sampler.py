@@ -63,6 +63,9 @@ MAX_REOPENS = 8  # re-negotiations for one batch before giving up
 # Layouts in a row whose segment was gone (the table grew again) before the plane fell back: a
 # segment that never shows up (another /dev/shm behind one host identity) is not a growth race.
 MAX_OUTGROWN_LAYOUTS = 8
+# close() waits at most this long (seconds) for a thread inside a call of this sampler; at exit, _EXIT_WAIT_S.
+CLOSE_WAIT_S = 5.0
+_EXIT_WAIT_S = 0.5
 
 
 class Retry(enum.Enum):
@@ -82,12 +85,13 @@ def _close_open_samplers() -> None:
 
     Once the interpreter finalizes, gRPC's threads are frozen, possibly holding
     a call's lock, and a call still in flight (a Select sent ahead by a pipeline
-    nobody closed) could block the exit forever. Closing the session ends those
-    Selects and frees the leases at once, not after their timeout.
+    nobody closed, a plane being opened) could block the exit forever. Closing
+    ends those calls and frees the leases at once, not after their timeout, and
+    waits only briefly for a thread still inside one.
     """
     for sampler in list(_open_samplers):
         try:
-            sampler.close()
+            sampler.close(wait=_EXIT_WAIT_S)
         except Exception:  # noqa: BLE001 - the daemon reaps the session anyway
             log.debug("closing a sampler at exit failed", exc_info=True)
 
@@ -193,6 +197,9 @@ class PlaneSampler:
         opened = self._opener.open(self._excluded)
         self._reader, self._inline, self._session, self._layout = (opened.reader, opened.inline, opened.session,
                                                                    opened.layout)
+        if self.closed:  # closed meanwhile (close() could not take the lock): free what just came up
+            self._drop_plane()
+            raise SamplerClosedError("the sampler was closed while its plane opened")
 
     def _drop_plane(self) -> None:
         plane, session = self._plane, self._session
@@ -256,6 +263,7 @@ class PlaneSampler:
                 return self._sample_locked(num_samples, window, timeout)
             except Exception as exc:
                 if self.closed:
+                    self._drop_plane()  # close() may have left it to this thread (it held the lock)
                     raise SamplerClosedError("the sampler was closed while sampling") from exc
                 raise
 
@@ -531,8 +539,16 @@ class PlaneSampler:
         except grpc.RpcError:
             pass
 
-    def close(self) -> None:
-        """End the session (a sample blocked in another thread ends with SamplerClosedError) and free the plane."""
+    def close(self, wait: float = CLOSE_WAIT_S) -> None:
+        """End the session (a sample blocked in another thread ends with SamplerClosedError) and free the plane.
+
+        Never waits on a thread inside a blocking call for longer than ``wait``
+        seconds: the session's Selects are ended, the inline plane's Sample call
+        cancelled and the sampler's own channel closed (which cancels its calls
+        in flight: a plane being opened, a lane being looked up) before the lock
+        is taken; a thread that still holds it past ``wait`` frees the plane
+        itself when its call returns.
+        """
         if self.closed:
             return
         self.closed = True
@@ -542,10 +558,13 @@ class PlaneSampler:
             session.close()  # the daemon ends a Select blocked on this session
         if plane is not None:
             plane.cancel()  # inline: ends a Sample call blocked in another thread
-        with self._lock:
-            self._drop_plane()
-            if self._channel is not None:
-                self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
+        if self._lock.acquire(timeout=wait):
+            try:
+                self._drop_plane()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> PlaneSampler:
         return self

@@ -27,6 +27,13 @@ from gear_contract.lane_frames import RELEASE, SELECT
 from gear_contract.layout import TableLayout
 
 
+def wait_ms(timeout: float | None) -> int:
+    """A call's ``timeout_ms`` from seconds: 0 (wait forever) for None; at least 1 otherwise, so that a
+    timeout of 0 (Reverb's "do not wait") fails at once instead of waiting forever."""
+    if timeout is None:
+        return 0
+    return max(1, int(timeout * 1000))
+
 @dataclass
 class ItemSelection:
     """A Select answer as arrays."""
@@ -223,7 +230,7 @@ class PlaneSession:
     def _select_request(self, num_samples: int, timeout: float | None, release: list[int],
                         step: GroupSlice | None = None) -> pb.SelectRequest:
         request = pb.SelectRequest(session_id=self.session_id, num_samples=int(num_samples), packed=True,
-                                   timeout_ms=int(timeout * 1000) if timeout else 0, release_lease_ids=release)
+                                   timeout_ms=wait_ms(timeout), release_lease_ids=release)
         if step is not None:
             request.group_step, request.group_picks, request.group_offset = step.step, step.picks, step.offset
         return request

@@ -7,6 +7,7 @@ only the names that need it fail.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 _EXPORTS = {
@@ -18,7 +19,19 @@ _EXPORTS = {
     "to_tf_signature": "gear_client.tf.specs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "PatternDataset", "as_program_specs"])
+_EXPORTS["PatternDataset"] = "gear_client.tf.pattern_dataset"
+
+
+def as_program_specs(signature: Any) -> Any:
+    """``signature`` with tf.TensorSpec leaves where the program has imported TensorFlow (Reverb returns
+    those, and code compares them with ``tf.TensorSpec(...)``); as it is otherwise (TensorFlow is not loaded
+    for it)."""
+    if "tensorflow" not in sys.modules:
+        return signature
+    from gear_client.tf.specs import to_tf_signature
+
+    return to_tf_signature(signature)
 
 
 def __getattr__(name: str) -> Any:

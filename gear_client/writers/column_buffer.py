@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ColumnBuffer", "format_path"]
+__all__ = ["ColumnBuffer", "ColumnMismatchError", "format_path"]
 
 # Spare rows kept beyond the keep-alive window so the buffer is compacted rarely.
 _SPARE_BUFFER_BYTES = 1 << 20
@@ -31,6 +31,17 @@ BeforeMove = Callable[["ColumnBuffer", np.ndarray], None]
 def format_path(path: tuple) -> str:
     """A field's path as users index it: ``['obs'][0]`` (``<root>`` for a bare leaf)."""
     return "".join(f"[{p!r}]" for p in path) if path else "<root>"
+
+
+class ColumnMismatchError(ValueError):
+    """A step's value whose dtype or shape is not its column's (fixed by the first value): ``path``, ``dtype``,
+    ``shape`` (given) and ``expected_dtype``, ``expected_shape`` say which."""
+
+    def __init__(self, message: str, path: tuple, dtype: np.dtype, shape: tuple, expected_dtype: np.dtype,
+                 expected_shape: tuple):
+        super().__init__(message)
+        self.path, self.dtype, self.shape = path, dtype, shape
+        self.expected_dtype, self.expected_shape = expected_dtype, expected_shape
 
 
 class ColumnBuffer:
@@ -90,10 +101,9 @@ class ColumnBuffer:
         if self.dtype is None:
             self._init_storage(arr)
         elif arr.dtype != self.dtype or arr.shape != self.shape:
-            raise ValueError(
+            raise ColumnMismatchError(
                 f"column {self.name}: expected dtype {self.dtype} and shape {self.shape}, got dtype "
-                f"{arr.dtype} and shape {arr.shape}"
-            )
+                f"{arr.dtype} and shape {arr.shape}", self.path, arr.dtype, arr.shape, self.dtype, self.shape)
         return arr
 
     def store(self, value: Any, step: int, before_move: BeforeMove | None) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gear_client.tf import as_program_specs
 from gear_contract import nest
 from gear_contract.specs import TensorSpec, to_tensor_spec
 
@@ -36,6 +37,7 @@ __all__ = [
     "create_config",
     "create_reference_step",
     "infer_signature",
+    "items_to_create",
     "pattern_from_transform",
     "td_error",
     "unpack_pattern",
@@ -308,7 +310,14 @@ def unpack_pattern(config: Config) -> Pattern:
 
 
 def infer_signature(configs: Sequence[Config], step_spec: Any) -> Any:
-    """The table signature of the items ``configs`` produce from steps like ``step_spec``."""
+    """The table signature of the items ``configs`` produce from steps like ``step_spec``.
+
+    Its leaves are tf.TensorSpecs where the program uses TensorFlow (as Reverb's), else gear's TensorSpecs.
+
+    Raises:
+      ValueError: no configs, configs of different pattern structures or tables, or configs whose items
+        would differ in dtype or in shape (other than the leading dimension) at some path.
+    """
     if not configs:
         raise ValueError("At least one config must be provided.")
     if any(c.pattern_structure != configs[0].pattern_structure for c in configs):
@@ -338,8 +347,8 @@ def infer_signature(configs: Sequence[Config], step_spec: Any) -> Any:
         merged = shapes[0] if all(s == shapes[0] for s in shapes) else (None, *shapes[0][1:])
         specs.append(TensorSpec(merged, dtypes[0], "/".join(str(x) for x in path)))
     if configs[0].pattern_structure is None:
-        return specs
-    return nest.unflatten(configs[0].pattern_structure, specs)
+        return as_program_specs(specs)
+    return as_program_specs(nest.unflatten(configs[0].pattern_structure, specs))
 
 
 class _ConditionBuilder:
@@ -408,3 +417,36 @@ class ApplyState:
     step_index: int = -1
     steps_since_applied: int = 0
     end_of_episode: bool = False
+
+
+def items_to_create(configs: Sequence[Config], states: Sequence[ApplyState], history: Sequence[Any],
+                    newest: Sequence[Any], end_of_episode: bool) -> list[tuple[Config, list[Any]]]:
+    """The items the configs make after the newest step: (config, one column per node of its pattern).
+
+    ``history[i]`` is field i's recent steps, indexed as Reverb's patterns index
+    them (``[-1]``, ``[-3:]``; ValueError where a referenced step has no value);
+    ``newest`` the newest step's flat values (for data conditions). A config
+    applies when all its conditions hold and its pattern has enough history; at
+    the end of an episode only configs conditioned on it apply. Each applied
+    config's ``steps_since_applied`` is reset.
+    """
+    made = []
+    for config, state in zip(configs, states, strict=True):
+        state.end_of_episode = end_of_episode
+        if end_of_episode and not any(c.is_end_episode for c in config.conditions):
+            continue
+        if not all(c.holds(state, newest) for c in config.conditions):
+            continue
+        columns = []
+        for node in config.flat:
+            field = history[node.flat_source_index]
+            if node.history_needed() > len(field):
+                break
+            try:
+                columns.append(field[node.start:node.stop:node.step] if node.is_slice else field[node.stop])
+            except ValueError:  # a referenced step has no value for this field
+                break
+        else:
+            made.append((config, columns))
+            state.steps_since_applied = 0
+    return made

@@ -15,6 +15,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from gear_client.writers.column_buffer import ColumnMismatchError
 from gear_client.writers.structured_config import (
     ApplyState,
     Condition,
@@ -28,12 +29,13 @@ from gear_client.writers.structured_config import (
     create_config,
     create_reference_step,
     infer_signature,
+    items_to_create,
     pattern_from_transform,
     td_error,
     unpack_pattern,
 )
 from gear_client.writers.trajectory_writer import TrajectoryWriter
-from gear_contract import nest
+from gear_contract import nest, specs
 
 __all__ = [
     "Condition",
@@ -80,6 +82,7 @@ class StructuredWriter:
         keep = max(node.history_needed() for c in configs for node in c.flat)
         self._writer = TrajectoryWriter(client, max(1, keep))
         self._flat_data_length: int | None = None
+        self._flat_paths: list[tuple] = []  # each flattened field's path in the appended data (for errors)
         self._states = [ApplyState() for _ in configs]
         self._step_index = -1
         self._last_flat: list[Any] = []
@@ -109,11 +112,15 @@ class StructuredWriter:
             configs apply once the step is complete.
 
         Raises:
-          ValueError: the step's flattened length differs from the first step's, a config references a
-            field the step does not have, or an item does not fit its table (as ``create_item``).
+          ValueError: the step's flattened length differs from the first step's, a field's dtype or shape
+            differs from its first value's (Reverb's messages, naming the field's index and path), a config
+            references a field the step does not have, or an item does not fit its table (as ``create_item``).
           RuntimeError: the writer is closed.
         """
-        self._append_flat([leaf for _, leaf in nest.flatten_with_paths(data, none_is_leaf=True)], partial_step)
+        pairs = nest.flatten_with_paths(data, none_is_leaf=True)
+        if self._flat_data_length is None:
+            self._flat_paths = [path for path, _ in pairs]
+        self._append_flat([leaf for _, leaf in pairs], partial_step)
 
     def _append_flat(self, flat: list[Any], partial_step: bool) -> None:
         if self._flat_data_length is None:
@@ -127,14 +134,17 @@ class StructuredWriter:
                     condition.validate(len(flat))
         if len(flat) != self._flat_data_length:
             raise ValueError(f"Flattened data has an unexpected length, got {len(flat)} but wanted "
-                             f"{self._flat_data_length}")
+                             f"{self._flat_data_length}.")
         if not self._step_open:
             self._step_index += 1
             self._last_flat = flat
         else:
             self._last_flat = [new if new is not None else old for new, old in zip(flat, self._last_flat,
                                                                                     strict=True)]
-        self._writer.append(tuple(flat), partial_step=partial_step)
+        try:
+            self._writer.append(tuple(flat), partial_step=partial_step)
+        except ColumnMismatchError as e:
+            raise self._mismatch(e) from e
         self._step_open = partial_step
         if not partial_step:
             for state in self._states:
@@ -142,33 +152,26 @@ class StructuredWriter:
                 state.steps_since_applied += 1
             self._apply(end_of_episode=False)
 
+    def _mismatch(self, error: ColumnMismatchError) -> ValueError:
+        """Reverb's error for a field whose dtype or shape changed: its flat index and its path in the data."""
+        index = error.path[0]
+        path = self._flat_paths[index] if index < len(self._flat_paths) else (index,)
+        where = f"column {index} (path={path})"
+        if error.dtype != error.expected_dtype:
+            return ValueError(f"Tensor of wrong dtype provided for {where}. Got {specs.kernel_dtype_name(error.dtype)} "
+                              f"but expected {specs.kernel_dtype_name(error.expected_dtype)}.")
+        return ValueError(f"Tensor of incompatible shape provided for {where}. Got "
+                          f"{specs.kernel_shape_text(error.shape)} which is incompatible with "
+                          f"{specs.kernel_shape_text(error.expected_shape)}.")
+
     def _apply(self, end_of_episode: bool) -> None:
         if self._step_index < 0:
             return
-        history = self._writer.history
-        for config, state in zip(self._configs, self._states, strict=True):
-            state.end_of_episode = end_of_episode
-            if end_of_episode and not any(c.is_end_episode for c in config.conditions):
-                continue  # at the end of an episode only configs conditioned on it apply
-            if not all(c.holds(state, self._last_flat) for c in config.conditions):
-                continue
-            columns = []
-            for node in config.flat:
-                column_history = history[node.flat_source_index]
-                if node.history_needed() > len(column_history):
-                    break
-                try:
-                    if node.is_slice:
-                        columns.append(column_history[node.start:node.stop:node.step])
-                    else:
-                        columns.append(column_history[node.stop])
-                except ValueError:  # a referenced step has no value for this field
-                    break
-            else:
-                trajectory = (nest.unflatten(config.pattern_structure, columns)
-                              if config.pattern_structure is not None else columns)
-                self._writer.create_item(config.table, config.priority.of(config.flat, columns), trajectory)
-                state.steps_since_applied = 0
+        for config, columns in items_to_create(self._configs, self._states, self._writer.history, self._last_flat,
+                                               end_of_episode):
+            trajectory = (nest.unflatten(config.pattern_structure, columns)
+                          if config.pattern_structure is not None else columns)
+            self._writer.create_item(config.table, config.priority.of(config.flat, columns), trajectory)
 
     def flush(self, block_until_num_items: int = 0, timeout_ms: int | None = None) -> None:
         """Block until all but ``block_until_num_items`` items are confirmed by the server.

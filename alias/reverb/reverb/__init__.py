@@ -3,8 +3,10 @@
 Every public name (``reverb.Client``, ``reverb.Table``...) is gear_client's, and
 Reverb's modules map to gear's (``from reverb import structured_writer``,
 ``reverb.rate_limiters``...; gear_client.REVERB_MODULES lists them). With
-TensorFlow installed, ``reverb.TrajectoryDataset`` and ``reverb.TimestepDataset``
-are Reverb's tf.data datasets (gear_client.tf.datasets), as Reverb code expects.
+TensorFlow installed, ``reverb.TrajectoryDataset``, ``reverb.TimestepDataset`` and
+``reverb.PatternDataset``, and the modules ``reverb.trajectory_dataset``,
+``reverb.timestep_dataset`` and ``reverb.pattern_dataset``, are Reverb's tf.data
+datasets (gear_client.tf; gear_client.REVERB_TF_MODULES), as Reverb code expects.
 Nothing is copied: this package only forwards, so it follows the installed gear.
 """
 
@@ -56,7 +58,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         prefix, _, rest = fullname.partition(".")
         if prefix != __name__ or not rest or "." in rest:
             return None
-        module = gear_client.REVERB_MODULES.get(rest)
+        module = gear_client.reverb_module(rest)
         if module is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(module))
