@@ -37,7 +37,6 @@ from gear_client.data_planes.stream import client_ssl_context
 from gear_client.errors import ReverbError
 from gear_client.writers.trajectory_column import TrajectoryColumn
 from gear_contract._proto import replay_pb2 as pb
-from gear_contract.channel import CHANNEL_OPTIONS
 from gear_contract.negotiation import local_host_id
 from gear_contract.slot_writer import InsertPlaneUnavailable, OpenTimedOut, SegmentGone, SlotWriter, UncommittedItem
 
@@ -115,9 +114,9 @@ def stream_ssl_context(security: ChannelSecurity) -> Any:
     return client_ssl_context(security, "")
 
 
-def ingest_channel(client: Any) -> grpc.Channel | None:
-    """A new channel (the caller closes it) to the ingest worker this writer should stream to, with the
-    client's security; None: stream to the daemon's own port (no workers, or an address of another form)."""
+def ingest_target(client: Any) -> str | None:
+    """The ``host:port`` of the ingest worker this writer should stream to; None: stream to the daemon's own
+    port (no workers, or an address of another form)."""
     if not _enabled(ENV_INGEST_WORKERS) or not _is_client(client):
         return None
     try:
@@ -127,8 +126,7 @@ def ingest_channel(client: Any) -> grpc.Channel | None:
     parts = split_target(client.server_address)
     if not ports or parts is None:
         return None
-    target = f"{parts[0]}:{ports[0]}"  # the daemon lists them starting one further each time
-    return ChannelSecurity.build(**client._security_args).channel(target, options=CHANNEL_OPTIONS)
+    return f"{parts[0]}:{ports[0]}"  # the daemon lists them starting one further each time
 
 
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
