@@ -3,9 +3,12 @@
 ``InsertStream.send_item`` is the one place where an encoded item (its new
 chunks and its ``PrioritizedItem`` bytes) is handed to the transport.
 Requests are framed by hand around the chunks' raw buffers
-(gear_contract/wire.py) and batched: gRPC's request thread takes the batch
-whenever it is idle, so items go out in the background as soon as they are
-created, flush or not; under load many items share one message.
+(gear_contract/wire.py) and batched: the stream's sender takes the batch
+whenever it is idle and no item is unacknowledged (else with the
+acknowledgement of the last one), so items go out in the background as soon
+as they are created, flush or not; under load many items share one message
+(a writer of a few items sends two, not one per item, and the daemon answers
+two), and a full batch (``BATCH_BYTES``) goes at once.
 
 The transport keeps what a new call would need: every chunk the server must
 still hold (live, or released while an item that uses it is unacknowledged),
@@ -94,7 +97,8 @@ class _CallCancelled(grpc.RpcError):
 
 
 class _SyncCall:
-    """A sync stream-stream call with the aio call's methods (for clients without a daemon channel)."""
+    """A sync stream-stream call with the aio call's methods (for clients without a daemon channel): a thread
+    of its own reads the responses (the loop's default executor has a few threads for all such calls)."""
 
     _END = object()
 
@@ -102,7 +106,21 @@ class _SyncCall:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._raw = raw
         self._call = multicallable(iter(self._requests.get, self._END), wait_for_ready=False)
-        self._responses = iter(self._call)
+        self._responses: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._pump, args=(loop,), name="gear-insert-stream-sync", daemon=True).start()
+
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            for response in self._call:
+                loop.call_soon_threadsafe(self._responses.put_nowait, response)
+            end: Any = grpc.aio.EOF
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            end = e
+        try:
+            loop.call_soon_threadsafe(self._responses.put_nowait, end)
+        except RuntimeError:  # the loop is gone (interpreter exit)
+            pass
 
     async def write(self, request: bytes) -> None:
         self._requests.put(request if self._raw else pb.InsertStreamRequest.FromString(request))
@@ -110,14 +128,11 @@ class _SyncCall:
     async def done_writing(self) -> None:
         self._requests.put(self._END)
 
-    def _next(self) -> Any:
-        try:
-            return next(self._responses)
-        except StopIteration:
-            return grpc.aio.EOF
-
     async def read(self) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, self._next)
+        response = await self._responses.get()
+        if isinstance(response, BaseException):
+            raise response
+        return response
 
     def cancel(self) -> bool:
         self._requests.put(self._END)
@@ -282,7 +297,7 @@ class InsertStream:
                 self._batch_releases.extend(releases)
             self.batch_bytes += len(item) + len(tail)
             self.in_flight_bytes += nbytes
-            if self.batch_bytes >= BATCH_BYTES or self._sender_idle:
+            if self.batch_bytes >= BATCH_BYTES or (self._sender_idle and not self.pending):
                 self._submit()
 
     def send_releases(self, keys: Sequence[int]) -> None:
@@ -355,13 +370,13 @@ class InsertStream:
         with self._cond:
             if requests is not self._queue:
                 return None
-            if self.batch:
+            if self.batch and not self.pending:
                 self._submit()
                 try:
                     return requests.get_nowait()
                 except queue.Empty:
                     return None
-            self._sender_idle = True
+            self._sender_idle = True  # a batch behind unacknowledged items goes with their acknowledgement
             return None
 
     def _nothing_queued(self, requests: queue.SimpleQueue) -> bool:
@@ -507,6 +522,8 @@ class InsertStream:
                                  self.address, self._last_ack_at - self._outage_since, self._resent)
                     self._outage_since = None
                     self._drop_released_locked()
+                    if self.batch and not pending and self._sender_idle:
+                        self._submit()  # the items created while these were on their way
                     self._cond.notify_all()
         except asyncio.CancelledError:
             task = asyncio.current_task()
