@@ -78,8 +78,15 @@ class DaemonClient(Protocol):
     def _connect(self) -> tuple[grpc.Channel, Any, Any]: ...
 
 
+_CLIENT_TYPES: dict[type, bool] = {}  # a runtime Protocol check looks at every member: once per class
+
+
 def _is_client(client: Any) -> bool:
-    return isinstance(client, DaemonClient)
+    kind = type(client)
+    known = _CLIENT_TYPES.get(kind)
+    if known is None:
+        known = _CLIENT_TYPES[kind] = isinstance(client, DaemonClient)
+    return known
 
 
 def open_slot_writer(client: Any, timeout: float | None = None) -> SlotWriter | None:
