@@ -50,6 +50,7 @@ import grpc.aio
 
 from gear_client.connection import aio_loop
 from gear_client.connection.auth import ChannelSecurity
+from gear_client.errors import ServiceError
 from gear_client.writers.chunker import NewChunk
 from gear_client.writers.routes import ingest_target
 from gear_contract._proto import replay_pb2 as pb
@@ -423,7 +424,7 @@ class InsertStream:
                     try:
                         call, requests = self._open_locked()
                     except (ValueError, RuntimeError) as e:  # the client's channel was closed
-                        self._fail_call_locked(e)
+                        self._fail_call_locked(ServiceError(f"cannot open the insert stream: {e}"))
                         return
                 sender = asyncio.ensure_future(self._send_requests(call, requests))
                 error = await self._read_acks(call)
