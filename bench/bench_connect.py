@@ -11,7 +11,14 @@ ServerInfo call (a connection and a round trip, nothing of a writer).
 Each backend runs in its own process (gear from this environment, Reverb from
 ``.venv-reverb``, see the Makefile's bench-reverb target), alternating per
 round so both see the same machine state; the best of the rounds is kept.
-Without a Reverb venv only gear's figures are printed.
+Without a Reverb venv only gear's figures are printed. Both backends' modules
+are imported before the first storm (Reverb imports everything at ``import
+reverb``; gear's ``Client`` module is imported on first use).
+
+Besides the wall time, the CPU time per actor (user + system, every thread)
+is printed: gear's actor process plus its daemon process, Reverb's one
+process (its server runs in the actors' process). On a machine shared with
+other work the wall time varies by 2x between runs; the CPU time much less.
 
     python bench/bench_connect.py [--actors 100,300,1000] [--rounds 2] [--reverb-python PATH]
 """
@@ -32,6 +39,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ITEMS_PER_ACTOR = 5
 RUN_TIMEOUT_S = 900
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _storm(reverb, address: str, actors: int) -> float:
@@ -108,12 +121,17 @@ def run_backend(backend: str, counts: list[int]) -> dict:
         import gear_client as reverb
     tables = [reverb.Table("q", sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
                            max_size=ITEMS_PER_ACTOR * max(counts) + 10, rate_limiter=reverb.rate_limiters.MinSize(1))]
-    out: dict = {"backend": backend, "storm_s": {}, "ceiling_s": {}}
+    out: dict = {"backend": backend, "storm_s": {}, "ceiling_s": {}, "cpu_ms": {}}
     server = reverb.Server(tables)
     try:
         address = f"localhost:{server.port}"
+        _ = reverb.Client, reverb.TrajectoryWriter  # imported before the clock starts, as `import reverb` does
+        daemon = getattr(getattr(server, "_process", None), "pid", None)  # gear's daemon; Reverb's is in-process
         for n in counts:
+            cpu = time.process_time() + (process_cpu_s(daemon) if daemon else 0.0)
             out["storm_s"][str(n)] = _storm(reverb, address, n)
+            cpu = time.process_time() + (process_cpu_s(daemon) if daemon else 0.0) - cpu
+            out["cpu_ms"][str(n)] = 1000 * cpu / n
             size = reverb.Client(address).server_info()["q"].current_size
             if size < n * ITEMS_PER_ACTOR:
                 raise RuntimeError(f"{backend}: {size} items in the table after {n} actors, expected "
@@ -173,15 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"connect storm: N actors (a thread each: its own Client, an open trajectory_writer, "
           f"{ITEMS_PER_ACTOR} items, flush), best of {args.rounds} round(s); "
           f"{platform.node()} ({cpus} CPUs), {time.strftime('%Y-%m-%d')}")
-    print(f"  {'actors':>7}{'gear s':>10}{'reverb s':>10}{'ratio':>8}{'ceiling s':>11}  goal: gear <= Reverb")
+    print(f"  {'actors':>7}{'gear s':>10}{'reverb s':>10}{'ratio':>8}{'ceiling s':>11}"
+          f"{'gear cpu':>10}{'reverb cpu':>12}  goal: gear <= Reverb (cpu: ms per actor, both sides)")
+    nan = float("nan")
     summary = {}
     for n in counts:
         g, r, c = best("gear", "storm_s", n), best("reverb", "storm_s", n), best("gear", "ceiling_s", n)
+        gc, rc = best("gear", "cpu_ms", n), best("reverb", "cpu_ms", n)
         ratio = g / r if r else None
         mark = "-" if ratio is None else ("ok" if ratio <= 1.0 else "MISSED")
-        print(f"  {n:>7}{g:>10.2f}{r if r is not None else float('nan'):>10.2f}"
-              f"{ratio if ratio is not None else float('nan'):>7.2f}x{c:>11.2f}  {mark}")
-        summary[n] = {"gear_s": g, "reverb_s": r, "ratio": ratio, "ceiling_s": c}
+        print(f"  {n:>7}{g:>10.2f}{r if r is not None else nan:>10.2f}"
+              f"{ratio if ratio is not None else nan:>7.2f}x{c:>11.2f}"
+              f"{gc if gc is not None else nan:>10.1f}{rc if rc is not None else nan:>12.1f}  {mark}")
+        summary[n] = {"gear_s": g, "reverb_s": r, "ratio": ratio, "ceiling_s": c, "gear_cpu_ms": gc,
+                      "reverb_cpu_ms": rc}
     if not has_reverb:
         print(f"  (no Reverb venv at {args.reverb_python}: `make bench-reverb` builds .venv-reverb)")
     if args.json:

@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from gear_client import errors
+from gear_client.connection import aio_loop
 from gear_client.connection.auth import ChannelSecurity
 from gear_client.connection.channel import DaemonChannel, check_address, connect_timeout_option
 from gear_client.connection.lane_client import LaneBroken, LaneStatusError
@@ -97,14 +98,12 @@ class Client:
                                                  ("private_key", private_key)) if v is not None}
         self._lock = threading.Lock()
         self._daemon: DaemonChannel | None = None
-        self._channel: grpc.Channel | None = None  # the daemon channel's gRPC channel (writers stream on it)
         self._table_infos: dict[str, pb.TableInfo] = {}
         self._server_info: tuple[float, pb.ServerInfoResponse] | None = None  # (fetched at, response)
         self._planes: dict[str, Any] = {}  # table -> PlaneSampler (shm/rdma) or None (inline)
         if client is not None and client._server_address == server_address:
             # Reverb's "pre-existing client": share its channel.
             self._daemon = client._daemon_channel()
-            self._channel = self._daemon.channel
 
     # ------------------------------------------------------------------ plumbing
     def __reduce__(self):
@@ -124,8 +123,13 @@ class Client:
             if self._daemon is None:
                 security = ChannelSecurity.build(**self._security_args)
                 self._daemon = DaemonChannel(self._server_address, security, self._connect_timeout)
-                self._channel = self._daemon.channel
             return self._daemon
+
+    @property
+    def _channel(self) -> grpc.Channel | None:
+        """The daemon channel's sync gRPC channel (made on first use), None before the first call."""
+        daemon = self._daemon
+        return daemon.channel if daemon is not None else None
 
     def _connect(self) -> tuple[grpc.Channel, pb_grpc.ReplayServiceStub, Any]:
         """(channel, stub, raw Sample multicallable), without waiting for the daemon."""
@@ -169,7 +173,7 @@ class Client:
     def close(self) -> None:
         """Close the channel (a later call reconnects)."""
         with self._lock:
-            daemon, self._daemon, self._channel = self._daemon, None, None
+            daemon, self._daemon = self._daemon, None
             planes, self._planes = self._planes, {}
         for plane in planes.values():
             if plane is not None:
@@ -190,8 +194,26 @@ class Client:
                 raise ValueError(f'Could not find table "{name}". The following tables exists: {", ".join(known)}.')
         return info
 
-    def _fetch_server_info(self, timeout: float | None, operation: str = "server_info") -> pb.ServerInfoResponse:
-        response = self._unary(operation, lambda stub: stub.ServerInfo, pb.ServerInfoRequest(), timeout)
+    def _fetch_server_info(self, timeout: float | None, operation: str = "server_info",
+                           aio: bool = False) -> pb.ServerInfoResponse:
+        """The daemon's ServerInfo (cached for the table infos). ``aio``: asked first on the aio channel (a
+        writer's: an actor that only writes never makes the sync channel); a daemon that does not answer at
+        once is waited for as any call is."""
+        response = None
+        if aio:
+            daemon = self._daemon_channel()
+            try:
+                response = aio_loop.run(daemon.server_info_aio(timeout), None if timeout is None else timeout + 1.0)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                        raise errors.DeadlineExceededError(
+                            f"{operation} call did not complete within provided timeout of {timeout}s") from e
+                    raise self._error(e, operation) from e
+            except (TimeoutError, ValueError):
+                pass
+        if response is None:
+            response = self._unary(operation, lambda stub: stub.ServerInfo, pb.ServerInfoRequest(), timeout)
         with self._lock:
             self._table_infos = {t.name: t for t in response.table_info}
             self._server_info = (time.monotonic(), response)
@@ -302,7 +324,7 @@ class Client:
         del get_signature_timeout_ms  # signatures are fetched on demand and cached
         from gear_client.writers.trajectory_writer import TrajectoryWriter
 
-        self._fetch_server_info(None, "trajectory_writer")  # waits for the daemon; the writer uses the answer
+        self._fetch_server_info(None, "trajectory_writer", aio=True)  # waits for the daemon; the writer uses it
         return TrajectoryWriter(self, num_keep_alive_refs, validate_items=validate_items,
                                 reconnect_timeout_s=reconnect_timeout_s)
 

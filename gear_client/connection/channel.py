@@ -21,6 +21,7 @@ is dropped and asked for again a little later (a restarted daemon has a new one)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -29,9 +30,12 @@ import socket
 import ssl
 import threading
 import time
+from typing import Any
 
 import grpc
+import grpc.aio
 
+from gear_client.connection import aio_loop
 from gear_client.connection.auth import ChannelSecurity
 from gear_client.connection.lane_client import NOT_LOCAL, LocalLane, lane_enabled, open_local_lane
 from gear_client.errors import ConnectError, DeadlineExceededError
@@ -59,6 +63,7 @@ RECONNECT_OPTIONS = [
 _CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # no answer from a daemon
 _SAMPLE_METHOD = "/gear.v1.ReplayService/Sample"
+_SERVER_INFO_METHOD = "/gear.v1.ReplayService/ServerInfo"
 _MUTATE_METHOD = "/gear.v1.ReplayService/MutatePriorities"
 # After the local lane broke or was not offered: seconds before the daemon is asked for it again.
 LANE_RETRY_S = 1.0
@@ -113,35 +118,102 @@ class DaemonChannel:
     """A gRPC channel to one daemon with a bounded wait for readiness (see module docstring). Thread safe."""
 
     def __init__(self, address: str, security: ChannelSecurity, connect_timeout: float | None):
-        """``connect_timeout``: seconds a call waits for the daemon, None: forever (see connect_timeout_option)."""
+        """``connect_timeout``: seconds a call waits for the daemon, None: forever (see connect_timeout_option).
+
+        The sync channel is made on first use; writers' streams and their ServerInfo go on an aio channel
+        (``aio_channel``) driven by the process's loop thread (gear_client/connection/aio_loop.py), so an
+        actor that only writes makes one connection and no thread of its own.
+        """
         self.address = check_address(address)
         self.connect_timeout = connect_timeout
         self.security = security  # the stream plane's bulk connections use the same TLS settings
         self.tls = security.tls
         self.root_certificates = security.root_certificates
         self.has_token = security.token is not None
-        self.channel = security.channel(self.address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
-        self.stub = pb_grpc.ReplayServiceStub(self.channel)
-        # Sample responses are parsed by hand (gear_contract.wire.decode_sample_response): no deserializer.
-        self.sample_call = self.channel.unary_stream(
-            _SAMPLE_METHOD, request_serializer=pb.SampleRequest.SerializeToString, response_deserializer=None)
-        # MutatePriorities requests are framed by hand (gear_contract.wire.encode_priority_updates).
-        self.mutate_call = self.channel.unary_unary(_MUTATE_METHOD, request_serializer=None,
-                                                    response_deserializer=None)
+        self._security = security
+        self._options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+        self._channel_lock = threading.Lock()
+        self._sync: tuple[grpc.Channel, Any, Any, Any] | None = None  # (channel, stub, sample call, mutate call)
+        self._aio: grpc.aio.Channel | None = None
+        self.call_metadata = security.call_metadata  # for calls on the aio channel
+        self._closed = False
         self._lane: LocalLane | None = None
         self._lane_wanted = lane_enabled()
         self._lane_next_try = 0.0
         self._lane_lock = threading.Lock()
 
+    def _sync_parts(self) -> tuple[grpc.Channel, Any, Any, Any]:
+        parts = self._sync
+        if parts is None:
+            with self._channel_lock:
+                parts = self._sync
+                if parts is None:
+                    channel = self._security.channel(self.address, options=self._options)
+                    # Sample responses are parsed by hand (gear_contract.wire.decode_sample_response) and
+                    # MutatePriorities requests framed by hand (gear_contract.wire.encode_priority_updates).
+                    parts = self._sync = (
+                        channel, pb_grpc.ReplayServiceStub(channel),
+                        channel.unary_stream(_SAMPLE_METHOD, request_serializer=pb.SampleRequest.SerializeToString,
+                                             response_deserializer=None),
+                        channel.unary_unary(_MUTATE_METHOD, request_serializer=None, response_deserializer=None))
+        return parts
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The sync gRPC channel (made on first use)."""
+        return self._sync_parts()[0]
+
+    @property
+    def stub(self) -> pb_grpc.ReplayServiceStub:
+        return self._sync_parts()[1]
+
+    @property
+    def sample_call(self) -> Any:
+        return self._sync_parts()[2]
+
+    @property
+    def mutate_call(self) -> Any:
+        return self._sync_parts()[3]
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The sync channel's ``unary_unary`` (a ``DaemonWatch`` probes through it: made only when it does)."""
+        return self.channel.unary_unary(method, *args, **kwargs)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """The aio channel (made on first use; call on the process's loop thread, which drives it)."""
+        if self._aio is None:
+            if self._closed:
+                raise ValueError(f"the channel to {self.address} is closed")
+            self._aio = self._security.aio_channel(self.address, options=self._options)
+        return self._aio
+
+    async def server_info_aio(self, timeout: float | None) -> pb.ServerInfoResponse:
+        """One fail-fast ServerInfo call on the aio channel (its RpcError when the daemon does not answer)."""
+        channel = self.aio_channel()
+        call = channel.unary_unary(_SERVER_INFO_METHOD, request_serializer=pb.ServerInfoRequest.SerializeToString,
+                                   response_deserializer=pb.ServerInfoResponse.FromString)
+        return await call(pb.ServerInfoRequest(), timeout=timeout, metadata=self.call_metadata,
+                          wait_for_ready=False)
+
     def close(self) -> None:
-        """Close the channel first (cancelling its calls in flight, a lane lookup that holds the lane's lock
+        """Close the channels first (cancelling their calls in flight, a lane lookup that holds the lane's lock
         included), then the lane: never waits on a blocked call."""
         self._lane_wanted = False
-        self.channel.close()
+        with self._channel_lock:
+            parts, self._sync = self._sync, None
+            self._closed = True
+        if parts is not None:
+            parts[0].close()
+        aio_loop.call_soon(self._close_aio)
         with self._lane_lock:
             lane, self._lane = self._lane, None
         if lane is not None:
             lane.close()
+
+    def _close_aio(self) -> None:
+        channel, self._aio = self._aio, None
+        if channel is not None:
+            asyncio.ensure_future(channel.close())
 
     # ------------------------------------------------------------------ local lane
     def local_lane(self) -> LocalLane | None:

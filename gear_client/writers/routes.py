@@ -15,6 +15,14 @@
   security (token, TLS).
 * Else the InsertStream goes to the daemon itself.
 
+The ``SlotWriter`` (insert plane or stream plane) is opened only once it pays
+for its stream (an open and a reservation round trip, and a stream the daemon
+serves): at the writer's
+first item of ``PLANE_MIN_ITEM_BYTES`` or more (the bytes it keeps off the
+daemon's socket pay for it at once), or after the writer's first flush (an
+actor that goes on writing). A writer of a few small items (an actor in a
+connect storm) keeps to its one InsertStream.
+
 ``GEAR_INSERT_PLANE=0`` keeps every
 insert on InsertStream; ``GEAR_INSERT_STREAM=0`` keeps a writer on another host off
 the stream plane; ``GEAR_INGEST_WORKERS=0`` keeps InsertStream on the daemon's port.
@@ -23,6 +31,7 @@ the stream plane; ``GEAR_INGEST_WORKERS=0`` keeps InsertStream on the daemon's p
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -37,7 +46,6 @@ from gear_client.data_planes.stream import client_ssl_context
 from gear_client.errors import ReverbError
 from gear_client.writers.trajectory_column import TrajectoryColumn
 from gear_contract._proto import replay_pb2 as pb
-from gear_contract.channel import CHANNEL_OPTIONS
 from gear_contract.negotiation import local_host_id
 from gear_contract.slot_writer import InsertPlaneUnavailable, OpenTimedOut, SegmentGone, SlotWriter, UncommittedItem
 
@@ -48,6 +56,8 @@ ENV_INGEST_WORKERS = "GEAR_INGEST_WORKERS"
 # A ServerInfo answer this recent (the one ``trajectory_writer`` asked for) serves the routes' choice.
 SERVER_INFO_MAX_AGE_S = 2.0
 ENV_INSERT_STREAM = "GEAR_INSERT_STREAM"
+# An item of at least this many bytes opens the insert plane at once (smaller ones: after the first flush).
+PLANE_MIN_ITEM_BYTES = 16 << 10
 
 
 def _enabled(env: str) -> bool:
@@ -68,8 +78,15 @@ class DaemonClient(Protocol):
     def _connect(self) -> tuple[grpc.Channel, Any, Any]: ...
 
 
+_CLIENT_TYPES: dict[type, bool] = {}  # a runtime Protocol check looks at every member: once per class
+
+
 def _is_client(client: Any) -> bool:
-    return isinstance(client, DaemonClient)
+    kind = type(client)
+    known = _CLIENT_TYPES.get(kind)
+    if known is None:
+        known = _CLIENT_TYPES[kind] = isinstance(client, DaemonClient)
+    return known
 
 
 def open_slot_writer(client: Any, timeout: float | None = None) -> SlotWriter | None:
@@ -115,9 +132,9 @@ def stream_ssl_context(security: ChannelSecurity) -> Any:
     return client_ssl_context(security, "")
 
 
-def ingest_channel(client: Any) -> grpc.Channel | None:
-    """A new channel (the caller closes it) to the ingest worker this writer should stream to, with the
-    client's security; None: stream to the daemon's own port (no workers, or an address of another form)."""
+def ingest_target(client: Any) -> str | None:
+    """The ``host:port`` of the ingest worker this writer should stream to; None: stream to the daemon's own
+    port (no workers, or an address of another form)."""
     if not _enabled(ENV_INGEST_WORKERS) or not _is_client(client):
         return None
     try:
@@ -127,8 +144,16 @@ def ingest_channel(client: Any) -> grpc.Channel | None:
     parts = split_target(client.server_address)
     if not ports or parts is None:
         return None
-    target = f"{parts[0]}:{ports[0]}"  # the daemon lists them starting one further each time
-    return ChannelSecurity.build(**client._security_args).channel(target, options=CHANNEL_OPTIONS)
+    return f"{parts[0]}:{ports[0]}"  # the daemon lists them starting one further each time
+
+
+def _item_bytes(flat: Sequence[TrajectoryColumn]) -> int:
+    """The bytes of an item's rows."""
+    total = 0
+    for column in flat:
+        first = column.segments[0][0]
+        total += len(column) * first.dtype.itemsize * math.prod(first.shape)
+    return total
 
 
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
@@ -173,7 +198,8 @@ class ItemRows(NamedTuple):
 
 
 class SameHostRoute:
-    """A writer's insert-plane path (opened on first use; ``prepare`` says whether it takes an item).
+    """A writer's insert-plane path (opened once it pays, see the module docstring; ``prepare`` says whether
+    it takes an item).
 
     When the plane's stream fails for a transient reason (the daemon went away), ``take_uncommitted``
     hands the items it had not committed to the writer's InsertStream, which reconnects and resends;
@@ -188,10 +214,16 @@ class SameHostRoute:
         self._disabled = False  # not applicable (another host, no access): InsertStream for good
         self._retry_at = 0.0
         self._opened_once = False
+        self._wanted = False  # the plane pays: a big item or a flush came
+
+    def flushed(self) -> None:
+        """The writer flushed: a writer that goes on writing opens the plane from its next item."""
+        self._wanted = True
 
     @property
     def writer(self) -> SlotWriter | None:
-        if self._writer is None and not self._disabled and time.monotonic() >= self._retry_at:
+        if (self._writer is None and self._wanted and not self._disabled
+                and time.monotonic() >= self._retry_at):
             try:
                 writer = open_slot_writer(self._client, timeout=None if not self._opened_once else 1.0)
             except (ReverbError, grpc.RpcError, InsertPlaneUnavailable) as e:
@@ -223,6 +255,8 @@ class SameHostRoute:
 
     def prepare(self, table: str, structure: bytes, flat: Sequence[TrajectoryColumn]) -> ItemRows | None:
         """The item's rows when it fits the table's layout on this path (None: send it over InsertStream)."""
+        if not self._wanted and _item_bytes(flat) >= PLANE_MIN_ITEM_BYTES:
+            self._wanted = True
         writer = self.writer
         if writer is None:
             return None

@@ -286,6 +286,7 @@ class TrajectoryWriter:
             raise DeadlineExceededError(f"flush did not complete within {timeout_ms} ms "
                                         f"({self._same_host.in_flight} items still in flight)")
         self._raise_same_host_error("flush")
+        self._same_host.flushed()
         stream = self._stream
         if stream is None:
             return

@@ -21,6 +21,7 @@ import pytest
 
 import gear_client as reverb
 from gear_client.errors import ItemsNotInsertedError
+from gear_client.writers import routes
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,9 +33,12 @@ GIVE_UP_BOUND_S = CONNECT_TIMEOUT_S + 10.0
 
 @pytest.fixture(params=["insert_plane", "insert_stream"])
 def route(request, monkeypatch) -> str:
-    """Each test runs over the same-host insert plane and over InsertStream (``GEAR_INSERT_PLANE=0``)."""
+    """Each test runs over the same-host insert plane (opened at the first item, however small) and over
+    InsertStream (``GEAR_INSERT_PLANE=0``)."""
     if request.param == "insert_stream":
         monkeypatch.setenv("GEAR_INSERT_PLANE", "0")
+    else:
+        monkeypatch.setattr(routes, "PLANE_MIN_ITEM_BYTES", 0)
     return request.param
 
 
