@@ -199,7 +199,7 @@ def test_actors_insert_on_their_node_and_a_learner_samples_both_shards(cluster, 
     from_b = [f for f in seen["firsts"] if f >= 10_000]
     assert from_a and from_b  # P(128 uniform picks miss a shard of 10 or 20 of 30) < 1e-22
     assert 0.5 < len(from_a) / len(from_b) < 4.0  # 2:1 expected
-    assert seen["plane"] == "inline+shm"
+    assert seen["plane"] == "shm+stream"  # its own node's shard over shm, the other over the stream plane
 
 
 def test_a_killed_daemon_is_restarted_by_ray_and_comes_back_with_its_items(cluster, replay):
