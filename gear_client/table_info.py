@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from gear_client.tf import as_program_specs
 from gear_contract import specs
 from gear_contract._proto import replay_pb2 as pb
+from gear_contract.specs import as_program_specs
 
 __all__ = ["TableInfo", "TableWorkerTime"]
 

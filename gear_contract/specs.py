@@ -10,6 +10,7 @@ dimension written as -1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -217,3 +218,21 @@ def kernel_shape_text(shape: Any) -> str:
     if shape is None or getattr(shape, "rank", 0) is None:
         return "<unknown>"
     return "[" + ",".join("?" if d is None else str(d) for d in to_shape(shape)) + "]"
+
+
+def as_tf_spec(spec: Any, tf: Any) -> Any:
+    """A ``tf.TensorSpec`` of the given TensorFlow module for any spec gear takes (gear's, TensorFlow's, a dtype)."""
+    if isinstance(spec, tf.TensorSpec):
+        return spec
+    s = to_tensor_spec(spec)
+    return tf.TensorSpec(shape=list(s.shape), dtype=tf.as_dtype(s.dtype), name=s.name)
+
+
+def as_program_specs(signature: Any) -> Any:
+    """``signature`` with tf.TensorSpec leaves where the program has imported TensorFlow (Reverb returns
+    those, and code compares them with ``tf.TensorSpec(...)``); as it is otherwise (TensorFlow is not loaded
+    for it)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return signature
+    return nest.map_structure(lambda spec: as_tf_spec(spec, tf), signature)

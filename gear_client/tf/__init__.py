@@ -7,8 +7,9 @@ only the names that need it fail.
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
+
+from gear_contract.specs import as_program_specs as as_program_specs  # re-exported
 
 _EXPORTS = {
     "ReplayDataset": "gear_client.tf.datasets",
@@ -21,17 +22,6 @@ _EXPORTS = {
 
 __all__ = sorted([*_EXPORTS, "PatternDataset", "as_program_specs"])
 _EXPORTS["PatternDataset"] = "gear_client.tf.pattern_dataset"
-
-
-def as_program_specs(signature: Any) -> Any:
-    """``signature`` with tf.TensorSpec leaves where the program has imported TensorFlow (Reverb returns
-    those, and code compares them with ``tf.TensorSpec(...)``); as it is otherwise (TensorFlow is not loaded
-    for it)."""
-    if "tensorflow" not in sys.modules:
-        return signature
-    from gear_client.tf.specs import to_tf_signature
-
-    return to_tf_signature(signature)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,10 +18,7 @@ __all__ = ["to_tf_spec", "to_tf_signature"]
 
 def to_tf_spec(spec: Any) -> tf.TensorSpec:
     """A tf.TensorSpec from any spec gear takes (gear's TensorSpec, tf.TensorSpec, a dtype...)."""
-    if isinstance(spec, tf.TensorSpec):
-        return spec
-    s = specs.to_tensor_spec(spec)
-    return tf.TensorSpec(shape=list(s.shape), dtype=tf.as_dtype(s.dtype), name=s.name)
+    return specs.as_tf_spec(spec, tf)
 
 
 def to_tf_signature(signature: Any) -> Any:

@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from gear_client.tf import as_program_specs
 from gear_contract import nest
-from gear_contract.specs import TensorSpec, to_tensor_spec
+from gear_contract.specs import TensorSpec, as_program_specs, to_tensor_spec
 
 __all__ = [
     "ApplyState",

@@ -31,14 +31,28 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gear_contract._proto import replay_pb2 as pb
 
-if TYPE_CHECKING:
-    from gear_server.table.core import TableCore
+
+class MirroredTable(Protocol):
+    """What a mirror reads of the table that owns it (the table's core): no import of the core, no circle."""
+
+    name: str
+    max_size: int
+    spare: int
+    lock: Any  # the table's lock: the mirror's hooks run under it, its copy thread takes it
+    columns: Any  # the table's ColumnStore (its layout)
+
+    @property
+    def meta(self) -> Any: ...  # the table's ItemMetadata (leases, generations)
+
+    @property
+    def capacity(self) -> int: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +204,7 @@ class CudaRows:
 class GpuMirror:
     """The bookkeeping and upkeep of one table's GPU mirror (see module docstring)."""
 
-    def __init__(self, state: TableCore, spec: MirrorSpec, host_path: str):
+    def __init__(self, state: MirroredTable, spec: MirrorSpec, host_path: str):
         self._st = state
         self.spec = spec
         if spec.backend == "cuda":
