@@ -449,9 +449,10 @@ class StreamServer:
             raise frames.StreamProtocolError("expected a WRITE header")
         if name_len > frames.MAX_TABLE_NAME or count > frames.MAX_WRITE_WINDOWS:
             raise frames.StreamProtocolError(f"a WRITE of {count} windows for a {name_len}-byte table name")
-        table = frames.recv_bytes(conn, name_len).decode(errors="replace")
+        name = bytearray(name_len)
         raw = np.empty((count, 2), dtype=frames.WINDOW_DTYPE)
-        frames.recv_exact(conn, memoryview(raw).cast("B"))
+        frames.recv_scatter(conn, [memoryview(name), memoryview(raw).cast("B")])  # one receive for both
+        table = name.decode(errors="replace")
         windows = raw.tolist()  # an item's few windows: plain ints are cheaper to check than arrays
         total = sum(length for _, length in windows)
         if any(length < 0 for _, length in windows) or total > MAX_WRITE_BYTES:
