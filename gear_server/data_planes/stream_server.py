@@ -53,6 +53,7 @@ LAYOUTS_KEPT = 4  # segment files a session keeps open at most (the newest layou
 TLS_CHUNK = 1 << 20
 MAX_WRITE_BYTES = 1 << 31  # rows of one WRITE
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+MAX_POPULATED_RANGES = 1 << 20  # ranges a writable mapping remembers as populated
 _populate_write = True  # False once the kernel refused it
 SENDFILE_CHUNK = 1 << 30
 
@@ -81,13 +82,19 @@ class SegmentFile:
         self._users = 0
         self._closing = False
         self._lock = threading.Lock()
+        self._populated: set[tuple[int, int]] = set()  # ranges populated in this mapping
 
     def populate(self, offset: int, length: int) -> None:
         """Writable: map the pages of ``[offset, offset + length)`` now, one call (``MADV_POPULATE_WRITE``,
-        Linux 5.14+) instead of a fault per page while the rows come in; only those pages are allocated."""
+        Linux 5.14+) instead of a fault per page while the rows come in; only those pages are allocated.
+
+        A range is populated once per mapping (slots are written again and again; a page the daemon
+        freed meanwhile faults in as it is written)."""
         global _populate_write
-        if self._mmap is None or not _populate_write:
+        if self._mmap is None or not _populate_write or (offset, length) in self._populated:
             return
+        if len(self._populated) < MAX_POPULATED_RANGES:
+            self._populated.add((offset, length))
         start = offset - offset % mmap.PAGESIZE
         end = min(self.size, -(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE)
         try:
