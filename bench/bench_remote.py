@@ -33,7 +33,7 @@ one remote actor >= 0.8x one connection's ceiling. Figures are GB/s of item payl
 (10^9 bytes per second).
 
 Usage: python bench/bench_remote.py [--links veth loopback] [--batches 32 256] [--seconds 3]
-       [--device cuda] [--no-actors] [--json PATH]
+       [--device cuda] [--no-actors | --no-learner] [--json PATH]
 """
 
 from __future__ import annotations
@@ -176,15 +176,15 @@ for _ in range(4):
 w.wait(0)
 print("ready", flush=True)
 sys.stdin.readline()
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 for _ in range(items):
     key += 1
     w.wait(63)
     w.write("t", key, 1.0, [[c] for c in cols], [64, 64, 64])
 w.wait(0)
-elapsed = time.perf_counter() - t
+elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
 w.close()
-print(json.dumps({"seconds": elapsed}))
+print(json.dumps({"seconds": elapsed, "cpu": cpu}))
 """
 
 _ACTOR = r"""
@@ -206,12 +206,12 @@ with client.trajectory_writer(64) as w:
     w.flush()
     print("ready", flush=True)
     sys.stdin.readline()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(items):
         one()
     w.flush()
-    elapsed = time.perf_counter() - t
-print(json.dumps({"seconds": elapsed}))
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+print(json.dumps({"seconds": elapsed, "cpu": cpu}))
 """
 
 
@@ -320,10 +320,12 @@ def learner(address: str, far: list[str], batch: int, seconds: float, conns: int
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def actors(address: str, far: list[str], count: int, items: int, stream: bool, rows_only: bool = False) -> float:
+def actors(address: str, far: list[str], count: int, items: int, stream: bool, rows_only: bool = False) -> dict:
     """GB/s of ``count`` actor processes each writing ``items`` items, started together (``stream``: rows over
     the stream plane; else InsertStream to the ingest workers, ``GEAR_INSERT_STREAM=0``). ``rows_only``: the
-    insert plane's SlotWriter writing prepared items (the plane alone, without TrajectoryWriter's per-step work)."""
+    insert plane's SlotWriter writing prepared items (the plane alone, without TrajectoryWriter's per-step work).
+    Also the CPU time per item of an actor and of the daemon (this process) while they wrote: on a loaded host
+    the CPU each item costs bounds the rate."""
     env = dict(_env(), GEAR_HOST_ID="bench-remote-actor", GEAR_INSERT_STREAM="1" if stream else "0")
     script = [_ROWS_ACTOR, address, str(items), "1"] if rows_only else [_ACTOR, address, str(items)]
     procs = [subprocess.Popen([*far, sys.executable, "-c", *script], stdin=subprocess.PIPE,
@@ -332,20 +334,24 @@ def actors(address: str, far: list[str], count: int, items: int, stream: bool, r
         for p in procs:
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError("an actor did not start")
-        started = time.perf_counter()
+        started, daemon_cpu = time.perf_counter(), time.process_time()
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
+        actor_cpu = 0.0
         for p in procs:
-            json.loads(p.stdout.readline())
+            actor_cpu += json.loads(p.stdout.readline())["cpu"]
+        elapsed, daemon_cpu = time.perf_counter() - started, time.process_time() - daemon_cpu
+        for p in procs:
             p.wait(timeout=120)
-        elapsed = time.perf_counter() - started
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return count * items * ITEM_BYTES / elapsed / 1e9
+    total = count * items
+    return {"gbps": total * ITEM_BYTES / elapsed / 1e9, "actor_cpu_us": actor_cpu / total * 1e6,
+            "daemon_cpu_us": daemon_cpu / total * 1e6}
 
 
 def measure(link: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -358,7 +364,7 @@ def measure(link: str, args: argparse.Namespace) -> dict[str, Any]:
         daemon = start_daemon(host, args.items)
         try:
             address = f"{host}:{daemon.port}"
-            for device in [None] + (["cuda"] if args.device == "cuda" else []):
+            for device in [] if args.no_learner else [None] + (["cuda"] if args.device == "cuda" else []):
                 for batch in args.batches:
                     for conns in (1, 4):
                         # the ceiling measured again just before: on a shared machine the link's rate drifts
@@ -374,12 +380,13 @@ def measure(link: str, args: argparse.Namespace) -> dict[str, Any]:
                 for count in (1, 8):
                     for route in ("stream rows", "stream", "grpc"):
                         ceiling = tcp_ceiling(host, far, 1, args.seconds)
-                        gbps = actors(address, far, count, args.actor_items * (4 if route == "stream rows" else 1),
-                                      route != "grpc", rows_only=route == "stream rows")
-                        result["actors"][f"{count} {route}"] = {"gbps": gbps, "ratio": gbps / ceiling,
-                                                                 "ceiling": ceiling}
-                        print(f"  [{link}] {count} actor(s) over {route}: {gbps:.2f} GB/s "
-                              f"({gbps / ceiling:.2f}x one connection's ceiling of {ceiling:.2f} just before)",
+                        a = actors(address, far, count, args.actor_items * (4 if route == "stream rows" else 1),
+                                   route != "grpc", rows_only=route == "stream rows")
+                        a.update(ratio=a["gbps"] / ceiling, ceiling=ceiling)
+                        result["actors"][f"{count} {route}"] = a
+                        print(f"  [{link}] {count} actor(s) over {route}: {a['gbps']:.2f} GB/s "
+                              f"({a['ratio']:.2f}x one connection's ceiling of {ceiling:.2f} just before; CPU per "
+                              f"item: actor {a['actor_cpu_us']:.0f} us, daemon {a['daemon_cpu_us']:.0f} us)",
                               flush=True)
         finally:
             daemon.stop()
@@ -411,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actor-items", type=int, default=100, help="items each actor writes")
     parser.add_argument("--device", choices=("cuda",), default=None)
     parser.add_argument("--no-actors", action="store_true")
+    parser.add_argument("--no-learner", action="store_true", help="only the TCP ceilings and the actors")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -12,7 +12,8 @@ the daemon's interpreter. One ``SlotWriter`` owns one ``InsertPlane`` stream
   the full timeout, so an old reservation is never written);
 * ``write`` copies an item's rows into a reserved slot of the newest mapping
   of the segment and queues its commit; commits go in batches, one in flight
-  (under load many items share one message);
+  (under load many items share one message; a remote writer gathers a few
+  while its rows are still on their way);
 * a commit answered with a new layout (the table grew into a new segment
   while the rows were written) is finished here: the uncommitted items' rows
   are copied from the old mapping (still mapped) into the new segment and
@@ -67,6 +68,7 @@ from gear_contract.negotiation import local_host_id
 INSERT_PLANE_METHOD = "/gear.v1.ReplayService/InsertPlane"
 DEFAULT_RESERVE_AHEAD = 16
 MAX_COMMIT_BATCH = 256
+REMOTE_COMMIT_BATCH = 16  # items a remote writer's commit waits for while more rows are on their way
 # Without per-range populating (kernels before 5.14), segments up to this size are mapped with MAP_POPULATE.
 POPULATE_MAX_BYTES = 8 << 30
 MADV_POPULATE_READ = 22  # Linux 5.14+; a read populate maps shared-memory pages writable (no write notification)
@@ -488,8 +490,16 @@ class SlotWriter:
                    time.monotonic())
 
     def _send_commit(self) -> None:
-        """Send the queued commits of one table and version as one request if none is in flight (lock held)."""
+        """Send the queued commits of one table and version as one request if none is in flight (lock held).
+
+        A remote writer holds its commits back while rows are still on their way and fewer than
+        ``REMOTE_COMMIT_BATCH`` items wait: each commit costs the daemon's event loop a message, which
+        one per item made the daemon's CPU, not the link, bound a remote actor. The last rows answer
+        (or a failed connection, which answers them all) sends what waits, so nothing is held for good.
+        """
         if self._commit_in_flight is not None or not self._commits:
+            return
+        if self._writing and sum(len(c.items) for c in self._commits) < REMOTE_COMMIT_BATCH:
             return
         first = self._commits.popleft()
         while (self._commits and self._commits[0].table == first.table and self._commits[0].version == first.version

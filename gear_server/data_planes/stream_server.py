@@ -53,6 +53,7 @@ LAYOUTS_KEPT = 4  # segment files a session keeps open at most (the newest layou
 TLS_CHUNK = 1 << 20
 MAX_WRITE_BYTES = 1 << 31  # rows of one WRITE
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+MAX_POPULATED_RANGES = 1 << 20  # ranges a writable mapping remembers as populated
 _populate_write = True  # False once the kernel refused it
 SENDFILE_CHUNK = 1 << 30
 
@@ -81,13 +82,19 @@ class SegmentFile:
         self._users = 0
         self._closing = False
         self._lock = threading.Lock()
+        self._populated: set[tuple[int, int]] = set()  # ranges populated in this mapping
 
     def populate(self, offset: int, length: int) -> None:
         """Writable: map the pages of ``[offset, offset + length)`` now, one call (``MADV_POPULATE_WRITE``,
-        Linux 5.14+) instead of a fault per page while the rows come in; only those pages are allocated."""
+        Linux 5.14+) instead of a fault per page while the rows come in; only those pages are allocated.
+
+        A range is populated once per mapping (slots are written again and again; a page the daemon
+        freed meanwhile faults in as it is written)."""
         global _populate_write
-        if self._mmap is None or not _populate_write:
+        if self._mmap is None or not _populate_write or (offset, length) in self._populated:
             return
+        if len(self._populated) < MAX_POPULATED_RANGES:
+            self._populated.add((offset, length))
         start = offset - offset % mmap.PAGESIZE
         end = min(self.size, -(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE)
         try:
@@ -449,9 +456,10 @@ class StreamServer:
             raise frames.StreamProtocolError("expected a WRITE header")
         if name_len > frames.MAX_TABLE_NAME or count > frames.MAX_WRITE_WINDOWS:
             raise frames.StreamProtocolError(f"a WRITE of {count} windows for a {name_len}-byte table name")
-        table = frames.recv_bytes(conn, name_len).decode(errors="replace")
+        name = bytearray(name_len)
         raw = np.empty((count, 2), dtype=frames.WINDOW_DTYPE)
-        frames.recv_exact(conn, memoryview(raw).cast("B"))
+        frames.recv_scatter(conn, [memoryview(name), memoryview(raw).cast("B")])  # one receive for both
+        table = name.decode(errors="replace")
         windows = raw.tolist()  # an item's few windows: plain ints are cheaper to check than arrays
         total = sum(length for _, length in windows)
         if any(length < 0 for _, length in windows) or total > MAX_WRITE_BYTES:
