@@ -48,7 +48,8 @@ class Ingest:
         self.socket_path = socket_path
         self.plane: InsertPlaneManager | None = None
         if self.settings.insert_plane:
-            self.plane = InsertPlaneManager(tables, host_id, calls, reservation_timeout_s=self.settings.reservation_timeout_s,
+            self.plane = InsertPlaneManager(tables, host_id, calls,
+                                            reservation_timeout_s=self.settings.reservation_timeout_s,
                                             max_reservations=self.settings.max_reservations_per_stream)
             self.plane.metrics = metrics
             self.plane.stream = stream

@@ -96,7 +96,8 @@ class InsertPlaneManager:
         self.stream: Any = None  # gear_server.data_planes.stream_server.StreamServer: rows of remote writers
         self._lock = threading.Lock()
         self._streams: dict[int, _Stream] = {}
-        self.lanes: dict[str, CommitLane] = {}  # table -> its reserves and commits, one pool job at a time (event loop only)
+        # table -> its reserves and commits, one pool job at a time (event loop only)
+        self.lanes: dict[str, CommitLane] = {}
         self._ending: list[tuple[float, _Stream]] = []  # (give back at, stream)
         self._stop = threading.Event()
         interval = reap_interval_s if reap_interval_s is not None else min(1.0, self.reservation_timeout_s / 4)
@@ -317,7 +318,8 @@ class InsertPlaneManager:
         moved: TableLayout | None = None
         committer = _Committer(table, int(request.layout_version))
         try:
-            await self._lane(table.name).commit([(committer, item) for item in items], lambda _, item: committed.append(item))
+            await self._lane(table.name).commit([(committer, item) for item in items],
+                                                lambda _, item: committed.append(item))
         except LayoutMoved as e:
             moved = e.layout
         with stream.lock:

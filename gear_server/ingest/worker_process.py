@@ -265,7 +265,8 @@ class IngestService:
     def add_to_server(self, server: aio.Server) -> None:
         handler = grpc.stream_stream_rpc_method_handler(
             self.InsertStream, request_deserializer=pb.InsertStreamRequest.FromString, response_serializer=serialize)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"InsertStream": handler}),))
+        handlers = grpc.method_handlers_generic_handler(SERVICE_NAME, {"InsertStream": handler})
+        server.add_generic_rpc_handlers((handlers,))
 
     # ------------------------------------------------------------------ the RPC
     async def InsertStream(self, request_iterator: AsyncIterator[pb.InsertStreamRequest],  # noqa: N802 (gRPC name)
