@@ -471,7 +471,13 @@ class StreamServer:
             conn.sendall(frames.error_answer(refused.status, str(refused)))
             return
         try:
-            target = self._write_target(grant, table, layout)
+            try:
+                target = self._write_target(grant, table, layout)
+            except FileNotFoundError:  # the table grew between the check and the open: its file has a new name
+                _drain(conn, total)
+                conn.sendall(frames.error_answer(frames.LAYOUT_GONE, f"table '{table}' moved to a new segment "
+                                                                     "while its rows came; resend for the new one"))
+                return
             try:
                 _check_slot_windows(target, int(slot), windows)
                 if windows:
