@@ -319,3 +319,42 @@ def test_row_buffers_are_reused_and_bounded():
     for _ in range(8):
         buffers.give(np.empty(300_000, np.uint8))
     assert buffers.kept_bytes <= 1 << 20  # the oldest dropped past the bound
+
+
+def test_a_table_that_moves_between_a_writes_check_and_its_open_gets_the_rows_resent(monkeypatch):
+    """The table grows (its segment file renamed for the new layout) after a WRITE passed its check and
+    before the daemon opened the file: the WRITE is answered LAYOUT_GONE, the connection stays, and the
+    writer's rows reach the new segment intact, with no broken pipe at the writer."""
+    from gear_server.data_planes import stream_server
+
+    limiter = pb.RateLimiterOptions(samples_per_insert=1.0, min_size_to_sample=1, min_diff=-1e12, max_diff=1e12)
+    d = start(pb.TableConfig(name="t", max_size=64, sampler=pb.SelectorOptions(fifo=True),
+                             remover=pb.SelectorOptions(fifo=True), rate_limiter=limiter))
+    try:
+        table = d.tables["t"]
+        insert(table, 1, length=4, dim=4)
+        original = stream_server.StreamServer._write_target
+        moved_from: list[int] = []
+
+        def racing(self, grant, name, layout):
+            if not moved_from:
+                moved_from.append(layout.version)
+                table.grow(table.capacity + 16)  # between the WRITE's check and the open of its file
+            return original(self, grant, name, layout)
+
+        monkeypatch.setattr(stream_server.StreamServer, "_write_target", racing)
+        writer = SlotWriter(grpc.insecure_channel(d.address()), reserve_ahead=4, stream_host="localhost")
+        try:
+            assert writer.fits("t", SPECS, [4, 4, 4], STRUCTURE_BYTES) and writer._sender is not None
+            item = make_item(2, 4, 4)
+            writer.write("t", 2, 1.0, [[item["action"]], [item["obs"]], [item["reward"]]], [4, 4, 4])
+            assert writer.wait(0, deadline=time.monotonic() + 30) and writer.error is None, writer.error
+        finally:
+            writer.close()
+        assert moved_from and table.layout().version > moved_from[0]
+        assert table.size() == 2
+        got, want = items_in_insert_order(table)[-1], make_item(2, 4, 4)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        assert _wait(lambda: d.ingest.plane.outstanding() == 0) and slots_accounted(table)
+    finally:
+        d.stop()
