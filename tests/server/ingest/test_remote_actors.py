@@ -295,7 +295,9 @@ def test_a_remote_slot_writer_gathers_commits_and_reuses_its_row_buffers(monkeyp
         commits = [count for kind, count in sent if kind == "commit"]
         assert sum(commits) == n and len(commits) <= n // 8, commits
         assert w._sender.buffers.kept_bytes <= w._sender.buffers.max_bytes
-        assert 0 < len(w._sender.buffers._free) <= 64 + 1  # reused: about as many as were in flight at once
+        # reused: as many buffers as items were in flight at once (up to 64 when idle, more on a loaded
+        # machine where commits lag), never one per item (test_row_buffers_are_reused_and_bounded: exactly)
+        assert 0 < len(w._sender.buffers._free) < n
         items = items_in_insert_order(d.tables["t"])[-n:]
         for seed, got in zip(range(100, 100 + n), items, strict=True):
             want = make_item(seed, 4, 4)
