@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from gear_contract import nixl_agents
 from gear_contract._proto import replay_pb2 as pb
 from gear_contract.layout import TableLayout
-from gear_server.data_planes.rdma_server import _address_of
+from gear_server.data_planes.rdma_server import map_segment
 from gear_server.data_planes.settings import DataPlaneSettings
 
 log = logging.getLogger(__name__)
@@ -83,13 +82,7 @@ class NixlServer:
         with self._lock:
             reg = self._segments.get(layout.segment)
             if reg is None:
-                fd = os.open(layout.segment, os.O_RDWR)  # a NIC registers with local write access too
-                try:
-                    mapping = mmap.mmap(fd, layout.segment_size, flags=mmap.MAP_SHARED,
-                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-                address = _address_of(mapping)
+                mapping, address = map_segment(layout)
                 try:
                     descs = self.agent.register_memory([(address, layout.segment_size, 0, "")], nixl_agents.DRAM)
                 except BaseException:

@@ -87,13 +87,7 @@ class RdmaServer:
         with self._lock:
             reg = self._segments.get(layout.segment)
             if reg is None:
-                fd = os.open(layout.segment, os.O_RDWR)
-                try:
-                    mapping = mmap.mmap(fd, layout.segment_size, flags=mmap.MAP_SHARED,
-                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-                address = _address_of(mapping)
+                mapping, address = map_segment(layout)
                 try:
                     region = self.device.register(address, layout.segment_size)
                 except BaseException:
@@ -159,6 +153,17 @@ class RdmaServer:
             self.device.deregister(reg.region)
             reg.mapping.close()
         self.device.close()
+
+
+def map_segment(layout: TableLayout) -> tuple[mmap.mmap, int]:
+    """A table segment mapped shared and read-write (a NIC registers with local write access too), and the
+    mapping's address: what the rdma and nixl planes register with their devices."""
+    fd = os.open(layout.segment, os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, layout.segment_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mapping, _address_of(mapping)
 
 
 def _address_of(mapping: mmap.mmap) -> int:
